@@ -204,8 +204,9 @@ def installed_key(python: str) -> str | None:
 
 def install(python: str, wheel: Path, key: str, flags: list[str]) -> None:
     log(f"installing {wheel.name} into {python}")
-    subprocess.run([python, "-m", "pip", "install", "--no-deps", "--force-reinstall", "-q", str(wheel)],
-                   check=True)
+    # replace whatever llama-cpp-python is there, then add only its missing dependencies
+    subprocess.run([python, "-m", "pip", "install", "--no-deps", "--force-reinstall", "-q", str(wheel)], check=True)
+    subprocess.run([python, "-m", "pip", "install", "-q", str(wheel)], check=True)
     stamp = json.dumps({"key": key, "version": VERSION, "flags": flags,
                         "patches": [p.name for p in patch_files()]}, indent=1)
     res = subprocess.run([python, "-c", "import llama_cpp, pathlib, sys; "

@@ -74,11 +74,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
 class MLP(nn.Module):
     """SiLU-gated MLP: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, dim: int, hidden: int, bias: bool = False):
+    def __init__(self, dim: int, hidden: int, bias: bool = False, linear=nn.Linear):
         super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=bias)
-        self.up_proj = nn.Linear(dim, hidden, bias=bias)
-        self.down_proj = nn.Linear(hidden, dim, bias=bias)
+        self.gate_proj = linear(dim, hidden, bias=bias)
+        self.up_proj = linear(dim, hidden, bias=bias)
+        self.down_proj = linear(hidden, dim, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -40,8 +40,9 @@ class Stats:
         self.accept_hist[n_accepted] += 1
         self.target_passes += 1
 
-    def finish(self, n_tokens: int, gen_s: float) -> None:
-        self.tau = n_tokens / self.target_passes if self.target_passes else 0.0
+    def finish(self, n_tokens: int, n_produced: int, gen_s: float) -> None:
+        # tau counts a final end-of-generation token too: the pass that produced it was real work
+        self.tau = n_produced / self.target_passes if self.target_passes else 0.0
         self.tokens_per_s = n_tokens / gen_s if gen_s > 0 else 0.0
         busy = self.draft_s + self.verify_s
         self.draft_fraction = self.draft_s / busy if busy > 0 else 0.0
@@ -134,13 +135,14 @@ def generate_stream(target, prompt: Sequence[int], *, max_tokens: int = 256,
     budget = min(max_tokens, target.n_ctx - len(prompt))
     text = Utf8Text(target)
     n_out = 0
+    n_eog = 0
     t_gen = time.perf_counter()
     try:
         for new in METHODS[method](state):
             done = False
             for i, tok in enumerate(new):
                 if target.is_eog(tok):
-                    new, done = new[:i], True
+                    new, done, n_eog = new[:i], True, 1
                     break
             new = new[:budget - n_out]
             state.tokens.extend(new)
@@ -155,7 +157,7 @@ def generate_stream(target, prompt: Sequence[int], *, max_tokens: int = 256,
             if done:
                 break
     finally:
-        stats.finish(n_out, time.perf_counter() - t_gen)
+        stats.finish(n_out, n_out + n_eog, time.perf_counter() - t_gen)
 
 
 def generate(target, prompt: Sequence[int], *, max_tokens: int = 256, sampling: SamplingParams = SamplingParams(),

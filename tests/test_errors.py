@@ -1,0 +1,44 @@
+"""Bad input: one line naming the problem, exit code 1, no traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import run_cli
+
+
+def _one_line_error(r, *needles):
+    assert r.returncode == 1, (r.returncode, r.stdout, r.stderr)
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("blockspec: error:")
+    assert "Traceback" not in r.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+def test_missing_model(tmp_path):
+    _one_line_error(run_cli("generate", "hi", "--model", str(tmp_path / "nope.gguf")), "not found", "nope.gguf")
+
+
+def test_not_a_gguf(tmp_path):
+    bad = tmp_path / "model.gguf"
+    bad.write_text("this is not a model\n" * 10)
+    _one_line_error(run_cli("generate", "hi", "--model", str(bad)), "not a GGUF", "model.gguf")
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.0005])  # cut in the tensor data, cut in the header
+def test_truncated_gguf(tmp_path, smollm2_path, keep):
+    data = smollm2_path.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: int(len(data) * keep)])
+    _one_line_error(run_cli("generate", "hi", "--model", str(cut)), "GGUF", "cut.gguf")
+
+
+def test_prompt_longer_than_context():
+    _one_line_error(run_cli("generate", "word " * 600, "--raw", "--n-ctx", "256"), "prompt is", "256")
+
+
+def test_unknown_fetch_name():
+    r = run_cli("models", "fetch", "llama-70b")
+    assert r.returncode == 2 and "Invalid value" in r.stderr
