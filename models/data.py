@@ -273,8 +273,13 @@ def build_feature_cache(target_path: str | os.PathLike, out_dir: str | os.PathLi
     target = load_target(target_path)
 
     def seqs():
-        for conv in iter_conversations(sources):
+        for i, conv in enumerate(iter_conversations(sources)):
             ids = tok(conv)
+            if len(ids) > max_len:
+                # a deterministic window, so long ShareGPT records contribute assistant text and
+                # not only their prompt; the target sees the window as its whole context
+                off = (i * 7919) % (len(ids) - max_len + 1)
+                ids = ids[off:off + max_len]
             if len(ids) >= min_len:
                 yield ids
 

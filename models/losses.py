@@ -100,7 +100,7 @@ def acceptance_surrogate(draft_logp: torch.Tensor, target_logp: torch.Tensor, va
     ok = v & (lr >= math.log(tau) if tau > 0 else torch.ones_like(v))
     kept = prefix_keep(ok, v)  # prefix k kept iff all i < k passed the threshold
     S = torch.cumsum(log_a.masked_fill(~v, 0.0), dim=-1)
-    S = S.masked_fill(~kept, -math.inf)
+    S = S.masked_fill(~kept, -1e4)  # finite: an all-dropped row must not give NaN gradients
     per_z = torch.logsumexp(S, dim=-1)  # [..., Kz] log E[A | z]
     if prior_logits is not None:
         per_z = per_z + F.log_softmax(prior_logits.float(), dim=-1)

@@ -33,7 +33,13 @@ def cli():
 @cli.command()
 @click.argument("prompt")
 @click.option("--model", "model", default=None, help="GGUF path or fetched model name [default: bundled SmolLM2-135M]")
-@click.option("--method", type=click.Choice(["plain"]), default="plain", show_default=True)
+@click.option("--method", type=click.Choice(["plain", "ngram"]), default="plain", show_default=True,
+              help="plain decoding, or a drafter to speculate with")
+@click.option("--drafter", "drafter", default=None, help="drafter checkpoint (GGUF or torch checkpoint dir)")
+@click.option("--drafter-backend", type=click.Choice(["torch", "ggml"]), default=None,
+              help="where a model drafter runs [default: ggml for a GGUF drafter]")
+@click.option("--block-size", type=int, default=4, show_default=True, help="drafted tokens per block")
+@click.option("--branches", type=int, default=1, show_default=True, help="tree branches (ngram: matches merged)")
 @click.option("--max-tokens", type=int, default=256, show_default=True)
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy")
 @click.option("--top-k", type=int, default=40, show_default=True)
@@ -46,7 +52,7 @@ def cli():
 @click.option("--n-ctx", type=int, default=4096, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of streaming text")
 @click.option("--verbose", is_flag=True, help="show llama.cpp's log")
-def generate(prompt, model, method, max_tokens, temperature, top_k, top_p, min_p, repeat_penalty, seed, raw,
+def generate(prompt, model, method, drafter, drafter_backend, block_size, branches, max_tokens, temperature, top_k, top_p, min_p, repeat_penalty, seed, raw,
              system, n_ctx, as_json, verbose):
     """Generate a completion for PROMPT."""
     from blockspec.runtime.api import run_generate
@@ -55,7 +61,8 @@ def generate(prompt, model, method, max_tokens, temperature, top_k, top_p, min_p
         click.echo(text, nl=False)
         sys.stdout.flush()
 
-    gen = run_generate(prompt, model=model, method=method, max_tokens=max_tokens, temperature=temperature,
+    gen = run_generate(prompt, model=model, method=method, drafter=drafter, drafter_backend=drafter_backend,
+                       block_size=block_size, branches=branches, max_tokens=max_tokens, temperature=temperature,
                        top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, raw=raw,
                        system=system, n_ctx=n_ctx, verbose=verbose, on_text=None if as_json else stream)
     if as_json:
@@ -107,6 +114,15 @@ def info():
 
     click.echo(f"blockspec ext ABI: {llama_ext.check_abi()}")
     click.echo(system_info())
+
+
+def _register_subgroups() -> None:
+    from blockspec.models.cli import train
+
+    cli.add_command(train)
+
+
+_register_subgroups()
 
 
 def main():

@@ -1,8 +1,8 @@
 """The generation loop and its stats (the JSON contract of `blockspec generate --json`).
 
 A method is a step function: given the state after prefill it yields, per target
-pass, the list of tokens that pass committed. `plain` commits one token a pass; the
-speculative methods (later) commit an accepted block plus a bonus token. The loop
+pass, the list of tokens that pass emitted. `plain_steps` emits one token a pass;
+`speculative.speculative_steps` emits the accepted draft tokens plus one more. The loop
 around it is shared: stopping on end-of-generation, max tokens and the context
 limit, UTF-8 safe text, timing, and the accept histogram.
 """
@@ -69,11 +69,12 @@ class StepState:
     """What a method's step function sees: the target, the tokens so far, sampling."""
 
     target: object
-    tokens: list[int]  # prompt + generated, all committed to the target cache except the last
-    logits: np.ndarray  # target logits after the last committed token
+    tokens: list[int]  # prompt + emitted; the cache holds all but the last
+    logits: np.ndarray  # target logits after the last token in the cache
     sampling: SamplingParams
     rng: np.random.Generator
     stats: Stats
+    drafter: object = None
 
 
 StepFn = Callable[[StepState], Iterator[list[int]]]
@@ -92,9 +93,32 @@ def plain_steps(s: StepState) -> Iterator[list[int]]:
         s.stats.verify_s += time.perf_counter() - t0
 
 
-METHODS: dict[str, StepFn] = {"plain": plain_steps}
+def _prefill(target, prompt: list[int], drafter) -> np.ndarray:
+    """Decode the prompt, reusing the longest cached prefix (the last prompt token is always
+    decoded, for its logits); the drafter is trimmed and fed the same rows."""
+    common = 0
+    for a, b in zip(target.cached, prompt):
+        if a != b:
+            break
+        common += 1
+    common = min(common, len(prompt) - 1)
+    target.remove(-1, common, -1)
+    target.cached = prompt[:common]
+    layers = tuple(drafter.target_layers) if drafter is not None else ()
+    if layers:
+        target.enable_taps(layers)
+    if drafter is not None:
+        drafter.trim(common)
+    pos = [common]
 
+    def feed(chunk):
+        if drafter is not None:
+            drafter.observe(chunk, pos[0], {lid: target.tap(lid) for lid in layers} or None)
+        pos[0] += len(chunk)
 
+    logits = target.prefill(prompt[common:], start=common, on_chunk=feed)
+    target.cached = list(prompt)
+    return logits
 class Utf8Text:
     """Token bytes -> text that never splits a multi-byte character across chunks."""
 
@@ -110,35 +134,45 @@ class Utf8Text:
 
 
 def generate_stream(target, prompt: Sequence[int], *, max_tokens: int = 256,
-                    sampling: SamplingParams = SamplingParams(), method: str = "plain",
+                    sampling: SamplingParams = SamplingParams(), drafter=None,
                     stats: Stats | None = None) -> Iterator[tuple[list[int], str]]:
     """Yield (new tokens, new text) per target pass; `stats` (pass one in) is filled as it goes.
 
-    The target cache is cleared first; on exit (normal, error or GeneratorExit from an
-    interrupted consumer) the cache holds exactly prompt + emitted tokens except the last.
+    Without a drafter this is plain decoding; with one, speculative decoding. The cached
+    prefix shared with the previous call is reused. On exit (normal, error, or
+    GeneratorExit from an interrupted consumer) the cache holds exactly prompt + emitted
+    tokens except the last, and `target.cached` says so.
     """
-    if method not in METHODS:
-        raise BlockspecError(f"unknown method {method!r}; available: {', '.join(METHODS)}")
+    from blockspec.runtime.speculative import speculative_steps
+
     prompt = list(prompt)
     if not prompt:
         raise BlockspecError("empty prompt")
     if len(prompt) >= target.n_ctx:
         raise BlockspecError(f"prompt is {len(prompt)} tokens but the context holds {target.n_ctx} "
                              "(raise --n-ctx or shorten the prompt)")
-    stats = stats if stats is not None else Stats(method=method)
+    if drafter is not None:
+        drafter.check_target(target)
+    stats = stats if stats is not None else Stats(method="plain")
+    stats.method = drafter.name if drafter is not None else "plain"
+    stats.drafter_backend = drafter.backend if drafter is not None else None
     stats.prompt_tokens = len(prompt)
-    target.clear()
     t0 = time.perf_counter()
-    logits = target.prefill(prompt)
+    try:
+        logits = _prefill(target, prompt, drafter)
+    except BaseException:
+        target.clear()  # an interrupted prefill leaves an unknown cache: start afresh next time
+        raise
     stats.prefill_s = time.perf_counter() - t0
-    state = StepState(target, prompt, logits, sampling, make_rng(sampling.seed), stats)
+    state = StepState(target, prompt, logits, sampling, make_rng(sampling.seed), stats, drafter)
+    steps = plain_steps if drafter is None else speculative_steps
     budget = min(max_tokens, target.n_ctx - len(prompt))
     text = Utf8Text(target)
     n_out = 0
     n_eog = 0
     t_gen = time.perf_counter()
     try:
-        for new in METHODS[method](state):
+        for new in steps(state):
             done = False
             for i, tok in enumerate(new):
                 if target.is_eog(tok):
@@ -158,16 +192,22 @@ def generate_stream(target, prompt: Sequence[int], *, max_tokens: int = 256,
                 break
     finally:
         stats.finish(n_out, n_out + n_eog, time.perf_counter() - t_gen)
+        # drop rows past the last emitted token (rejected by a stop or the token budget)
+        keep = len(state.tokens) - 1
+        target.remove(-1, keep, -1)
+        target.cached = state.tokens[:keep]
+        if drafter is not None:
+            drafter.trim(keep)
 
 
 def generate(target, prompt: Sequence[int], *, max_tokens: int = 256, sampling: SamplingParams = SamplingParams(),
-             method: str = "plain", on_text: Callable[[str], None] | None = None) -> Generation:
+             drafter=None, on_text: Callable[[str], None] | None = None) -> Generation:
     """Run `generate_stream` to the end; Ctrl-C returns what was generated so far."""
-    stats = Stats(method=method)
+    stats = Stats(method="plain")
     tokens: list[int] = []
     parts: list[str] = []
     reason = "length"
-    stream = generate_stream(target, prompt, max_tokens=max_tokens, sampling=sampling, method=method, stats=stats)
+    stream = generate_stream(target, prompt, max_tokens=max_tokens, sampling=sampling, drafter=drafter, stats=stats)
     try:
         for new, chunk in stream:
             tokens.extend(new)

@@ -13,7 +13,7 @@ import ctypes
 from llama_cpp import llama_cpp as _raw
 
 # runtime needs at least this BLOCKSPEC_EXT_ABI level from the library
-REQUIRED_ABI = 1
+REQUIRED_ABI = 2
 
 _lib = _raw._lib
 _ctx_p = _raw.llama_context_p_ctypes
@@ -56,6 +56,11 @@ blockspec_model_target_layer_ids = _bind(
 # uint32_t blockspec_model_target_layer_ids_n(const struct llama_model * model);
 blockspec_model_target_layer_ids_n = _bind(
     "blockspec_model_target_layer_ids_n", [_model_p], ctypes.c_uint32)
+
+
+# int32_t blockspec_memory_pack_tail(struct llama_context * ctx, llama_seq_id seq_id, llama_pos p0);
+blockspec_memory_pack_tail = _bind(
+    "blockspec_memory_pack_tail", [_ctx_p, ctypes.c_int32, ctypes.c_int32], ctypes.c_int32)
 
 
 def check_abi() -> int:

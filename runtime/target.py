@@ -20,6 +20,11 @@ from blockspec.runtime.errors import BlockspecError
 from blockspec.runtime.modelfile import check_gguf
 
 
+# Patch 0004: single-token decodes take the same flash-attention path as verify batches,
+# so a token's logits do not depend on how many tokens were decoded with it.
+os.environ.setdefault("GGML_BATCH_INVARIANT", "1")
+
+
 def _raw():
     from llama_cpp import llama_cpp
 
@@ -86,7 +91,11 @@ class TargetConfig:
     n_seq_max: int = 1
     n_threads: int | None = None
     n_gpu_layers: int = -1
-    flash_attn: bool = False  # see DESIGN.md's trap: keep off until tree commits are chain-exact
+    # Flash attention on: its CPU kernel gives bit-identical logits for a token whether it is
+    # decoded alone or in a batch (the non-FA matmul path does not: up to 1.4 logits apart
+    # on SmolLM2), which is what makes batched verification exactly lossless. Tree commits
+    # keep cells in position order for it (Target.pack_tail).
+    flash_attn: bool = True
     verbose: bool = False
     cb_eval: object = None  # a llama_cpp.ggml_backend_sched_eval_callback, for debugging and tests
 
@@ -137,6 +146,7 @@ class Target:
         self._batch = ll.llama_batch_init(cfg.n_batch, 0, max(1, cfg.n_seq_max))
         self._taps: set[int] = set()
         self._last_n_tokens = 0
+        self.cached: list[int] = []  # tokens of seq 0 in the cache, kept by generate_stream
 
     # ---------------------------------------------------------------- lifetime
     def close(self) -> None:
@@ -228,12 +238,28 @@ class Target:
     # ---------------------------------------------------------------- decoding
     def clear(self) -> None:
         _raw().llama_memory_clear(_raw().llama_get_memory(self._ctx), True)
+        self.cached = []
+
+    def copy_seq(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        """Add sequence id `dst` to the cells of `src` at positions [p0, p1) (no data copy
+        in a unified cache)."""
+        _raw().llama_memory_seq_cp(_raw().llama_get_memory(self._ctx), src, dst, p0, p1)
 
     def remove(self, seq_id: int, p0: int, p1: int = -1) -> None:
         """Drop cells of `seq_id` (-1: all sequences) at positions [p0, p1)."""
         ok = _raw().llama_memory_seq_rm(_raw().llama_get_memory(self._ctx), seq_id, p0, p1)
         if not ok:
             raise RuntimeError(f"llama_memory_seq_rm(seq={seq_id}, {p0}, {p1}) failed")
+
+    def pack_tail(self, seq_id: int, p0: int) -> int:
+        """Move the cells of `seq_id` at positions >= p0 right after position p0 - 1, in
+        position order (ggml_patches/0003): the cache then looks as after plain decoding."""
+        from blockspec.runtime import llama_ext
+
+        moved = llama_ext.blockspec_memory_pack_tail(self._ctx, seq_id, p0)
+        if moved < 0:
+            raise RuntimeError(f"blockspec_memory_pack_tail(seq={seq_id}, p0={p0}) failed with {moved}")
+        return moved
 
     def decode(self, tokens: Sequence[int], positions: Sequence[int],
                seq_ids: Sequence[Sequence[int]] | None = None, logits: Sequence[bool] | None = None) -> None:

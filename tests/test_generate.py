@@ -28,7 +28,7 @@ def test_plain_greedy_equals_llama_cpp_python(smollm2, smollm2_path, prompt):
     ours = generate(smollm2, tokens, max_tokens=48, sampling=SamplingParams(temperature=0.0))
     assert ours.stats.tau == 1.0 and ours.stats.target_passes in (ours.n_tokens, ours.n_tokens + 1)
 
-    llm = Llama(model_path=str(smollm2_path), n_ctx=2048, n_batch=512, verbose=False, flash_attn=False)
+    llm = Llama(model_path=str(smollm2_path), n_ctx=2048, n_batch=512, verbose=False, flash_attn=True)
     try:
         theirs = []
         for tok in llm.generate(tokens, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):

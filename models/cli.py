@@ -1,0 +1,102 @@
+"""`blockspec train ...`: build the feature cache and train drafters.
+
+    blockspec train features --target T.gguf --out CACHE [--sources sharegpt,chitchat] [--n-seqs N]
+    blockspec train specblock --target T.gguf --data CACHE --out DIR [--steps N ...]
+    blockspec train dblast    --target T.gguf --data CACHE --out DIR [--n-categories 4 --loss al ...]
+
+Every TrainConfig field is an option (`--batch-size`, `--no-target-features`, ...); torch is only
+imported inside the commands so `--help` stays instant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import click
+
+from .train import TrainConfig
+
+_HIDDEN = {"method", "target", "out", "data"}
+
+
+def _config_options(fn):
+    """Add one click option per TrainConfig field (booleans as --x/--no-x flags)."""
+    for f in reversed(dataclasses.fields(TrainConfig)):
+        if f.name in _HIDDEN:
+            continue
+        name = f.name.replace("_", "-")
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if f.type in ("bool", bool):
+            if f.name.startswith("no_"):
+                fn = click.option(f"--{name}", f.name, is_flag=True, default=default)(fn)
+            else:
+                fn = click.option(f"--{name}/--no-{name}", f.name, default=default, show_default=True)(fn)
+        elif f.type in ("list", list):
+            fn = click.option(f"--{name}", f.name, default="", show_default=True,
+                              help="comma-separated ints; empty = method default")(fn)
+        else:
+            typ = {"int": int, "float": float, "str": str}.get(f.type if isinstance(f.type, str) else f.type.__name__, str)
+            fn = click.option(f"--{name}", f.name, type=typ, default=default, show_default=True)(fn)
+    return fn
+
+
+def _run(method: str, target: str, out: str, data: str, opts: dict) -> None:
+    if isinstance(opts.get("target_layers"), str):
+        opts["target_layers"] = [int(x) for x in opts["target_layers"].split(",") if x.strip()]
+    cfg = TrainConfig(method=method, target=target, out=out, data=data, **opts)
+    from .train import train as run_train
+
+    result = run_train(cfg)
+    click.echo(json.dumps(dict(heldout=result, out=out)))
+
+
+@click.group(name="train")
+def train():
+    """Train block drafters (torch reference) for a GGUF target."""
+
+
+def _common(fn):
+    fn = click.option("--data", required=True, type=click.Path(), help="feature cache dir (`train features`)")(fn)
+    fn = click.option("--out", required=True, type=click.Path(), help="checkpoint dir (resumed if present)")(fn)
+    fn = click.option("--target", required=True, type=click.Path(exists=True), help="target GGUF")(fn)
+    return _config_options(fn)
+
+
+@train.command("specblock")
+@_common
+def specblock_cmd(target, out, data, **opts):
+    """SpecBlock: prefix broadcast + position queries + layer-wise shift + rank head."""
+    _run("specblock", target, out, data, opts)
+
+
+@train.command("dblast")
+@_common
+def dblast_cmd(target, out, data, **opts):
+    """DBlast: DFlash-style drafter with a categorical latent (--n-categories; 1 = DFlash)."""
+    _run("dblast", target, out, data, opts)
+
+
+@train.command("features")
+@click.option("--target", required=True, type=click.Path(exists=True))
+@click.option("--out", required=True, type=click.Path(), help="cache dir (resumable)")
+@click.option("--layers", default="", help="comma-separated layer-input ids; default: 5 spread layers")
+@click.option("--sources", default="sharegpt,chitchat", show_default=True)
+@click.option("--n-seqs", default=2048, show_default=True)
+@click.option("--max-len", default=384, show_default=True)
+@click.option("--shard-size", default=64, show_default=True)
+@click.option("--batch-size", default=4, show_default=True)
+@click.option("--threads", default=0, show_default=True)
+def features_cmd(target, out, layers, sources, n_seqs, max_len, shard_size, batch_size, threads):
+    """Compute target features once and cache them as sharded safetensors."""
+    from .common import default_layers
+    from .data import build_feature_cache
+    import gguf
+
+    reader = gguf.GGUFReader(str(target))
+    arch = reader.fields["general.architecture"].contents()
+    n_layer = int(reader.fields[f"{arch}.block_count"].contents())
+    lids = [int(x) for x in layers.split(",") if x.strip()] or default_layers(n_layer, 5)
+    build_feature_cache(target, out, lids, sources=[s for s in sources.split(",") if s], n_seqs=n_seqs,
+                        max_len=max_len, shard_size=shard_size, batch_size=batch_size, threads=threads or None)
+    click.echo(json.dumps(dict(out=out, layers=lids)))

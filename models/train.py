@@ -1,0 +1,335 @@
+"""Training loop for the block drafters, readable top to bottom: config -> data -> get_batch ->
+loss -> step -> estimate_acceptance -> checkpoint.
+
+Data come from a feature cache (models/data.py). One batch = `batch_size` sequences x
+`anchors_per_seq` blocks, all blocks of a row packed in one drafter pass (drafter.block_mask).
+Labels are the TARGET's greedy tokens (`greedy` in the cache), not the text's tokens: the drafter
+must predict what the target would say, which is what verification accepts.
+
+Checkpoint (out dir): `drafter.safetensors` (drafter weights only; the target's embeddings/head
+are never saved), `drafter.json` {model_args, config, step, history} (enough to rebuild the model
+with models.build_model), `optimizer.pt` (for resume).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass
+class TrainConfig:
+    method: str = "specblock"            # specblock | dblast
+    target: str = ""                     # GGUF of the target
+    out: str = ""                        # checkpoint directory
+    data: str = ""                       # feature cache directory
+    n_layer: int = 2
+    block_size: int = 0                  # 0: the method's default (specblock K=4, dblast B=5)
+    draft_vocab_size: int = 8192         # 0: share the target's head
+    target_layers: list = field(default_factory=list)  # empty: the method's default
+    n_categories: int = 1                # dblast Kz
+    loss: str = "nll"                    # nll | al (acceptance-length surrogate)
+    nll_weight: float = 0.1              # NLL kept beside the AL surrogate (stabilises the start)
+    tau: float = 1e-3                    # AL truncation threshold
+    temperature: float = 1.0             # target temperature p_T for AL / distillation
+    decay_gamma: float = 0.0             # DFlash position decay (0: off)
+    prefix_mask: bool = True
+    rank_weight: float = 0.1
+    distill_weight: float = 0.0
+    no_target_features: bool = False     # baseline: zero the target features
+    steps: int = 1000
+    batch_size: int = 8
+    anchors_per_seq: int = 16
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup: int = 50
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    eval_every: int = 200
+    eval_batches: int = 8
+    heldout_frac: float = 0.1
+    save_every: int = 200
+    log_every: int = 20
+    seed: int = 0
+    threads: int = 0
+    resume: bool = True
+
+
+def get_lr(step: int, c: TrainConfig) -> float:
+    """Linear warmup, then cosine decay to min_lr."""
+    if step < c.warmup:
+        return c.lr * (step + 1) / c.warmup
+    t = min(1.0, (step - c.warmup) / max(1, c.steps - c.warmup))
+    return c.min_lr + 0.5 * (c.lr - c.min_lr) * (1 + math.cos(math.pi * t))
+
+
+def method_defaults(method: str, n_layer_target: int) -> dict:
+    from .common import default_layers
+
+    if method == "specblock":
+        return dict(block_size=4, target_layers=default_layers(n_layer_target, 3))
+    if method == "dblast":
+        return dict(block_size=5, target_layers=default_layers(n_layer_target, 5))
+    raise ValueError(f"unknown drafter method {method!r} (known: specblock, dblast)")
+
+
+def make_model_args(c: TrainConfig, target_args) -> dict:
+    d = method_defaults(c.method, target_args.n_layer)
+    return dict(
+        model_type=c.method, dim=target_args.dim, n_layer=c.n_layer, n_head=target_args.n_head,
+        n_kv_head=target_args.n_kv_head, head_dim=target_args.head_dim, ffn_dim=target_args.ffn_dim,
+        vocab_size=target_args.vocab_size, draft_vocab_size=c.draft_vocab_size,
+        target_layers=list(c.target_layers or d["target_layers"]), target_dim=target_args.dim,
+        block_size=c.block_size or d["block_size"], n_categories=c.n_categories,
+        norm_eps=target_args.norm_eps,
+    )
+
+
+class Batches:
+    """Random blocks from the feature cache; the last `heldout_frac` of sequences is held out."""
+
+    def __init__(self, data: dict, n_predict: int, heldout_frac: float, seed: int):
+        self.d = data
+        self.P = n_predict
+        n = len(data["lengths"])
+        n_held = max(1, int(round(n * heldout_frac))) if n > 1 else 0
+        self.split = {"train": np.arange(0, n - n_held), "heldout": np.arange(n - n_held, n)}
+        if len(self.split["train"]) == 0:
+            self.split["train"] = self.split["heldout"]
+        self.rng = np.random.default_rng(seed)
+
+    def get_batch(self, split: str, batch_size: int, anchors: int, rng: np.random.Generator | None = None):
+        """-> dict of torch tensors: feats [B, S, F], anchors [B, N], last [B, N], labels /
+        data_next / valid [B, N, P], top_ids / top_logp [B, N, P, k]."""
+        import torch
+
+        rng = rng or self.rng
+        d, P = self.d, self.P
+        rows = rng.choice(self.split[split], size=batch_size)
+        lengths = d["lengths"][rows]
+        S = int(lengths.max())
+        # anchor t needs x[t+1] and at least one label greedy[t+1]; positions past the end are invalid
+        hi = np.maximum(lengths - 2, 0)
+        anc = np.stack([rng.integers(0, h + 1, size=anchors) for h in hi])  # [B, N]
+        j = np.arange(P)
+        pos = anc[..., None] + 1 + j  # [B, N, P] index of the target position predicting each label
+        valid = pos < lengths[:, None, None] - 1
+        pos_c = np.minimum(pos, S - 1)
+        r = rows[:, None, None]
+        out = dict(
+            feats=torch.from_numpy(d["feats"][rows, :S].astype(np.float32)),
+            anchors=torch.from_numpy(anc).long(),
+            last=torch.from_numpy(d["tokens"][rows[:, None], anc + 1]).long(),
+            labels=torch.from_numpy(d["greedy"][r, pos_c]).long(),
+            data_next=torch.from_numpy(d["tokens"][r, np.minimum(pos_c + 1, S - 1)]).long(),
+            valid=torch.from_numpy(valid),
+            top_ids=torch.from_numpy(d["top_ids"][r, pos_c]).long(),
+            top_logp=torch.from_numpy(d["top_logp"][r, pos_c].astype(np.float32)),
+        )
+        return out
+
+
+def accepted_lengths(draft: "torch.Tensor", labels, data_next, valid):  # noqa: F821
+    """Offline acceptance of greedy blocks, per block [..]: the number of leading positions whose
+    drafted token equals the target's greedy token, counted while it is evaluable. Labels come from
+    the target run on the TEXT, so the comparison at position j+1 assumes the text's token j equals
+    the target's greedy token j; where it does not, counting stops after position j (a teacher-forced
+    lower bound of the accepted prefix in greedy speculative decoding)."""
+    import torch
+
+    match = (draft == labels) & valid
+    cont = match & (data_next == labels)  # position j matched and the text stayed on the greedy path
+    reach = torch.cumprod(torch.nn.functional.pad(cont.long(), (1, 0), value=1)[..., :-1], dim=-1).bool()
+    return (match & reach).sum(-1)
+
+
+def draft_greedy(model, b):
+    """Greedy block (target ids) [B, N, P]; DBlast uses its most likely category."""
+    out = model(b["feats"], b["anchors"], b["last"])
+    if model.args.model_type == "dblast":
+        z = out.prior_logits.argmax(-1)  # [B, N]
+        logits = out.logits.gather(2, z[:, :, None, None, None].expand(-1, -1, 1, *out.logits.shape[3:]))[:, :, 0]
+    else:
+        logits = out.logits
+    return model.vocab.to_target(logits.argmax(-1))
+
+
+def estimate_acceptance(model, batches: Batches, c: TrainConfig, n_batches: int | None = None) -> dict:
+    """Offline acceptance estimate on the held-out split: mean over blocks of `accepted_lengths`
+    (expected accepted prefix of a greedy block against the target's greedy tokens), with a fixed
+    seed so successive estimates see the same blocks. Also the per-position match rate."""
+    import torch
+
+    rng = np.random.default_rng(12345)
+    acc, match, n = 0.0, None, 0
+    was = model.training
+    model.eval()
+    with torch.no_grad():
+        for _ in range(n_batches or c.eval_batches):
+            b = batches.get_batch("heldout", c.batch_size, c.anchors_per_seq, rng)
+            if c.no_target_features:
+                b["feats"].zero_()
+            draft = draft_greedy(model, b)
+            a = accepted_lengths(draft, b["labels"], b["data_next"], b["valid"])
+            ok = b["valid"][..., 0]
+            acc += float(a[ok].sum())
+            m = ((draft == b["labels"]) & b["valid"]).float().sum((0, 1))
+            match = m if match is None else match + m
+            n += int(ok.sum())
+    model.train(was)
+    return dict(accept=acc / max(1, n), blocks=n, match_per_pos=(match / max(1, n)).tolist())
+
+
+def compute_loss(model, b, c: TrainConfig):
+    import torch
+
+    from . import losses
+    from .specblock import rank_bucket_labels
+
+    a = model.args
+    labels_d = model.vocab.t2d(b["labels"])  # draft ids, -1 outside the draft vocabulary
+    valid = b["valid"]
+    parts = {}
+    if a.model_type == "specblock":
+        out = model(b["feats"], b["anchors"], b["last"])
+        ce, keep = losses.block_cross_entropy(out.logits, labels_d, valid, c.prefix_mask, c.decay_gamma or None)
+        parts["ce"] = ce
+        buckets = rank_bucket_labels(out.logits.detach(), labels_d, a.rank_widths)
+        parts["rank"] = c.rank_weight * losses.rank_bucket_cross_entropy(out.rank_logits, buckets, keep)
+        if c.distill_weight:
+            parts["kd"] = c.distill_weight * losses.distill_kl(
+                out.logits, model.vocab.t2d(b["top_ids"]), b["top_logp"], keep, c.temperature)
+        metric_logits = out.logits
+    else:
+        out = model(b["feats"], b["anchors"], b["last"])
+        lq = losses.gather_logp(out.logits, labels_d[:, :, None, :].expand(out.logits.shape[:-1]))
+        if c.loss == "al":
+            # log p_T(label): the target's top-k log-probs at temperature T (greedy label = top-1)
+            lp_t = torch.log_softmax(b["top_logp"] / c.temperature, -1)
+            hit = b["top_ids"] == b["labels"][..., None]
+            lp = torch.where(hit, lp_t, torch.full_like(lp_t, -30.0)).max(-1).values
+            parts["al"] = losses.acceptance_surrogate(lq, lp, valid, c.tau, out.prior_logits)
+            if c.nll_weight:
+                parts["nll"] = c.nll_weight * losses.mixture_nll(out.logits, out.prior_logits, labels_d, valid)
+        else:
+            parts["nll"] = losses.mixture_nll(out.logits, out.prior_logits, labels_d, valid)
+        z = out.prior_logits.argmax(-1)
+        metric_logits = out.logits.gather(2, z[:, :, None, None, None].expand(-1, -1, 1, *out.logits.shape[3:]))[:, :, 0]
+    loss = sum(parts.values())
+    with torch.no_grad():
+        draft = model.vocab.to_target(metric_logits.argmax(-1))
+        acc = accepted_lengths(draft, b["labels"], b["data_next"], valid).float().mean()
+    return loss, {k: float(v.detach()) for k, v in parts.items()}, float(acc)
+
+
+def save_checkpoint(out: Path, model, opt, c: TrainConfig, step: int, history: list) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(out / "drafter.safetensors.tmp"))
+    os.replace(out / "drafter.safetensors.tmp", out / "drafter.safetensors")
+    torch.save({"optimizer": opt.state_dict(), "step": step}, out / "optimizer.pt.tmp")
+    os.replace(out / "optimizer.pt.tmp", out / "optimizer.pt")
+    meta = dict(model_args=dataclasses.asdict(model.args), config=dataclasses.asdict(c), step=step,
+                history=history)
+    (out / "drafter.json.tmp").write_text(json.dumps(meta, indent=1))
+    os.replace(out / "drafter.json.tmp", out / "drafter.json")
+
+
+def load_drafter(ckpt_dir: str | os.PathLike, target=None):
+    """Rebuild a drafter from its checkpoint alone (and bind a loaded target's embeddings/head)."""
+    from safetensors.torch import load_file
+
+    from . import build_model
+
+    d = Path(ckpt_dir)
+    meta = json.loads((d / "drafter.json").read_text())
+    model = build_model(meta["model_args"])
+    model.load_state_dict(load_file(str(d / "drafter.safetensors")))
+    if target is not None:
+        model.bind_target(target.tok_embeddings.weight, target.head_weight)
+    return model, meta
+
+
+def train(c: TrainConfig, target=None, progress: bool = True) -> dict:
+    """Train a drafter per `c`; returns the final held-out estimate. Resumes from c.out if a
+    checkpoint is there (and c.resume)."""
+    import torch
+    from tqdm import tqdm
+
+    from . import build_model
+    from .data import load_feature_cache
+    from .target import load_target
+
+    if c.threads:
+        torch.set_num_threads(c.threads)
+    torch.manual_seed(c.seed)
+    out = Path(c.out)
+    if target is None:
+        target = load_target(c.target)
+    margs = make_model_args(c, target.args)
+    meta, data = load_feature_cache(c.data, margs["target_layers"])
+    model = build_model(margs)
+    model.bind_target(target.tok_embeddings.weight, target.head_weight)
+    if margs["draft_vocab_size"]:
+        # frequency-based draft vocabulary from the training labels (the target's own tokens)
+        counts = np.bincount(data["greedy"][data["tokens"] != 0].ravel(), minlength=margs["vocab_size"])
+        d2t = torch.from_numpy(np.argsort(-counts, kind="stable")[: margs["draft_vocab_size"]].copy())
+        model.vocab.set_vocab(d2t, target.head_weight)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=c.lr,
+                            weight_decay=c.weight_decay, betas=(0.9, 0.95))
+    step, history = 0, []
+    if c.resume and (out / "drafter.json").exists():
+        from safetensors.torch import load_file
+
+        prev = json.loads((out / "drafter.json").read_text())
+        model.load_state_dict(load_file(str(out / "drafter.safetensors")))
+        st = torch.load(out / "optimizer.pt", weights_only=False)
+        opt.load_state_dict(st["optimizer"])
+        step, history = prev["step"], prev.get("history", [])
+        print(f"resumed from {out} at step {step}")
+    batches = Batches(data, model.args.n_predict, c.heldout_frac, c.seed + step)
+    model.train()
+    bar = tqdm(total=c.steps, initial=step, desc=f"train {c.method}", disable=not progress)
+    t0, tok = time.time(), 0
+    last_eval = None
+    while step < c.steps:
+        lr = get_lr(step, c)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        b = batches.get_batch("train", c.batch_size, c.anchors_per_seq)
+        if c.no_target_features:
+            b["feats"].zero_()
+        loss, parts, acc = compute_loss(model, b, c)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if c.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip)
+        opt.step()
+        step += 1
+        tok += int(b["valid"].sum())
+        bar.update(1)
+        if step % c.log_every == 0 or step == c.steps:
+            rate = tok / max(1e-6, time.time() - t0)
+            msg = dict(step=step, loss=round(float(loss), 4), lr=round(lr, 6), train_accept=round(acc, 3),
+                       tok_per_s=round(rate, 1), **{k: round(v, 4) for k, v in parts.items()})
+            print(json.dumps(msg), flush=True)
+        if step % c.eval_every == 0 or step == c.steps:
+            last_eval = estimate_acceptance(model, batches, c)
+            history.append(dict(step=step, **last_eval))
+            print(json.dumps(dict(step=step, heldout=last_eval)), flush=True)
+        if step % c.save_every == 0 or step == c.steps:
+            save_checkpoint(out, model, opt, c, step, history)
+    bar.close()
+    if last_eval is None:
+        last_eval = estimate_acceptance(model, batches, c)
+    return last_eval

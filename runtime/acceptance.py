@@ -1,0 +1,108 @@
+"""Lossless acceptance of a verified draft tree. Pure functions: logits in, tokens out.
+
+Terms (per target pass):
+- **accepted** tokens: drafted nodes on the path from the root that the rule keeps; they
+  are emitted and their KV rows are already in the target cache;
+- **recovered** token: where the walk stops at a node whose children were all rejected,
+  the rule emits one token drawn from what remains of the target distribution there
+  (greedy: the target's argmax, which no child had);
+- **bonus** token: where the walk reaches a leaf, the target's logits at that leaf give one
+  more token for free.
+Either way each pass emits len(accepted) + 1 tokens, and the last one becomes the next
+root (it is not in the cache yet).
+
+Rules:
+- greedy (temperature <= 0): descend while some child equals the target's argmax. The
+  output is token-for-token the target's greedy output.
+- sampled, children chosen deterministically (q is None): *sample-and-match* — draw
+  x ~ p_target at the node; descend into the child whose token is x, else emit x. The
+  emitted token at every position is exactly a draw from p_target (this is what upstream
+  llama.cpp does for chains, extended to trees).
+- sampled, children drawn i.i.d. from a draft distribution q: *recursive rejection
+  sampling* (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative
+  Decoding", for one child; Miao et al. 2024, SpecInfer, for several): try child x with
+  probability min(1, p(x)/q(x)); on rejection replace p by norm(max(p - q, 0)) and try the
+  next child; if all are rejected emit a draw from the last residual. Again exactly p.
+The target distribution p is `sampling.target_distribution` — the same function plain
+decoding samples from, penalties and filters included — evaluated with the node's own
+history (the committed tokens plus the path to it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from blockspec.runtime.sampling import SamplingParams, draw, penalize, target_distribution
+from blockspec.runtime.tree import DraftTree
+
+
+@dataclass
+class Verdict:
+    accepted: list[int]  # node indices (root excluded) along the accepted path, in order
+    token: int  # the recovered or bonus token emitted after them
+    bonus: bool  # True when the walk ended at a leaf
+
+
+def _node_history(tree: DraftTree, node: int, history: Sequence[int]) -> list[int]:
+    # history ends with the root token; add the drafted tokens on the path to `node`
+    return list(history) + [tree.tokens[i] for i in tree.path(node)[1:]]
+
+
+def accept_greedy(tree: DraftTree, logits: np.ndarray, sampling: SamplingParams,
+                  history: Sequence[int]) -> Verdict:
+    """`logits[i]` is the target's [n_vocab] row at node i."""
+    kids = tree.children()
+    node, accepted = 0, []
+    needs_history = sampling.repeat_penalty != 1.0
+    while True:
+        row = logits[node]
+        if needs_history:
+            row = penalize(np.asarray(row), _node_history(tree, node, history), sampling)
+        best = int(np.argmax(row))
+        nxt = next((c for c in kids[node] if tree.tokens[c] == best), None)
+        if nxt is None:
+            return Verdict(accepted, best, bonus=not kids[node])
+        accepted.append(nxt)
+        node = nxt
+
+
+def accept_sampled(tree: DraftTree, logits: np.ndarray, sampling: SamplingParams, rng: np.random.Generator,
+                   history: Sequence[int]) -> Verdict:
+    kids = tree.children()
+    node, accepted = 0, []
+    while True:
+        p = target_distribution(logits[node], sampling, _node_history(tree, node, history))
+        if not kids[node]:
+            return Verdict(accepted, draw(p, rng), bonus=True)
+        q = tree.q[node]
+        nxt = None
+        if q is None:
+            x = draw(p, rng)
+            nxt = next((c for c in kids[node] if tree.tokens[c] == x), None)
+            if nxt is None:
+                return Verdict(accepted, x, bonus=False)
+        else:
+            for c in kids[node]:
+                x = tree.tokens[c]
+                if q[x] > 0 and rng.random() * q[x] < p[x]:  # accept w.p. min(1, p/q)
+                    nxt = c
+                    break
+                residual = np.maximum(p - q, 0.0)
+                mass = residual.sum()
+                if mass <= 0:  # p == q up to rounding: rejection had probability ~0
+                    continue
+                p = residual / mass
+            if nxt is None:
+                return Verdict(accepted, draw(p, rng), bonus=False)
+        accepted.append(nxt)
+        node = nxt
+
+
+def accept(tree: DraftTree, logits: np.ndarray, sampling: SamplingParams, rng: np.random.Generator,
+           history: Sequence[int]) -> Verdict:
+    if sampling.greedy:
+        return accept_greedy(tree, logits, sampling, history)
+    return accept_sampled(tree, logits, sampling, rng, history)

@@ -1,0 +1,115 @@
+"""The drafter interface, and the model-free n-gram (prompt lookup) drafter.
+
+A drafter sees the committed tokens (and, if it asks for them, the target's layer taps
+for every committed row) and proposes a `DraftTree` rooted at the last emitted token.
+The engine keeps it in step with the target's cache by position:
+`trim(n)` forgets everything from position n on, `observe(tokens, start, feats)` adds
+committed rows at positions start.. . Acceptance never looks inside a drafter.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from blockspec.runtime.tree import DraftTree
+
+
+class Drafter:
+    name = "base"
+    backend: str | None = None  # "torch", "ggml", or None for model-free drafters
+    target_layers: tuple[int, ...] = ()  # layer taps this drafter is conditioned on
+    max_nodes = 8  # drafted nodes per tree (root excluded): the verify batch is max_nodes + 1
+    max_leaves = 1  # sequence ids the tree needs besides the main one
+
+    def check_target(self, target) -> None:
+        """Raise BlockspecError naming the mismatch if this drafter cannot serve `target`."""
+
+    def trim(self, n: int) -> None:
+        """Forget committed rows at positions >= n."""
+
+    def observe(self, tokens: Sequence[int], start: int, feats: dict[int, np.ndarray] | None) -> None:
+        """Committed rows: tokens at positions start.., with their target taps [n, n_embd] per layer."""
+
+    def propose(self, history: Sequence[int]) -> DraftTree:
+        """A tree rooted at history[-1] (the last emitted token, not yet in the cache)."""
+        raise NotImplementedError
+
+
+class NgramDrafter(Drafter):
+    """Prompt lookup: find the latest earlier occurrence of the last n tokens (n from
+    `max_ngram` down to `min_ngram`) and propose what followed it (a repeating span is
+    continued by its period). With `branches` > 1
+    the continuations of several distinct matches are merged into a tree."""
+
+    name = "ngram"
+
+    def __init__(self, block_size: int = 4, min_ngram: int = 1, max_ngram: int = 3, branches: int = 1):
+        if block_size < 1 or branches < 1 or not 1 <= min_ngram <= max_ngram:
+            raise ValueError("ngram drafter needs block_size >= 1, branches >= 1, 1 <= min_ngram <= max_ngram")
+        self.block_size = block_size
+        self.min_ngram, self.max_ngram = min_ngram, max_ngram
+        self.branches = branches
+        self.max_nodes = block_size * branches
+        self.max_leaves = branches
+
+    def propose(self, history: Sequence[int]) -> DraftTree:
+        h = np.asarray(history)
+        n_hist = len(h)
+        paths: list[list[int]] = []
+        seen: set[tuple[int, ...]] = set()
+        for n in range(min(self.max_ngram, n_hist - 1), self.min_ngram - 1, -1):
+            suffix = h[n_hist - n:]
+            # candidate starts i of an earlier occurrence h[i:i+n] == suffix, latest first
+            windows = np.lib.stride_tricks.sliding_window_view(h[:n_hist - 1], n)
+            hits = np.nonzero((windows == suffix).all(axis=1))[0][::-1]
+            for i in hits:
+                # what followed the match; where it runs into the present, the text is
+                # periodic with period p and continues by copying itself
+                p = n_hist - n - i
+                ext = h.tolist()
+                for _ in range(self.block_size):
+                    ext.append(ext[len(ext) - p])
+                cont = ext[n_hist:]
+                if not cont or tuple(cont) in seen:
+                    continue
+                seen.add(tuple(cont))
+                paths.append(cont)
+                if len(paths) == self.branches:
+                    break
+            if len(paths) == self.branches:
+                break
+        return DraftTree.from_paths(int(h[-1]), paths)
+
+
+class FixedDrafter(Drafter):
+    """Proposes a continuation known in advance (e.g. the target's own greedy output);
+    for tests of the engine and as an upper bound on acceptance."""
+
+    name = "fixed"
+
+    def __init__(self, continuation: Sequence[int], start: int, block_size: int = 4):
+        self.continuation = list(continuation)  # tokens expected at positions start..
+        self.start = start
+        self.block_size = block_size
+        self.max_nodes = block_size
+
+    def propose(self, history: Sequence[int]) -> DraftTree:
+        at = len(history) - self.start  # index of the first token after the root
+        return DraftTree.chain(int(history[-1]), self.continuation[at: at + self.block_size])
+
+
+def make_drafter(method: str, drafter_path: str | None = None, backend: str | None = None,
+                 block_size: int = 4, branches: int = 1) -> Drafter | None:
+    """The drafter for a `--method` (None for plain decoding)."""
+    from blockspec.runtime.errors import BlockspecError
+
+    if method == "plain":
+        return None
+    if method == "ngram":
+        return NgramDrafter(block_size=block_size, branches=branches)
+    raise BlockspecError(f"unknown method {method!r}; available: {', '.join(METHODS)}")
+
+
+METHODS = ("plain", "ngram")

@@ -1,0 +1,91 @@
+"""One speculative step: draft a tree, verify it in one target decode, accept, commit.
+
+The reference loop is upstream's speculative-simple: evaluate [root, drafted...] in one
+batch, accept a prefix, trim the cache — generalised to trees with one sequence id per
+leaf (runtime/tree.py). The cache is restored in `finally`, so an exception or Ctrl-C
+never leaves tree cells behind: after a step the cache holds exactly the committed
+tokens except the last emitted one, as after a plain step.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator
+
+import numpy as np
+
+from blockspec.runtime.acceptance import Verdict, accept
+from blockspec.runtime.sampling import sample
+from blockspec.runtime.tree import DraftTree
+
+MAIN_SEQ = 0
+# ggml's CPU flash attention switches to a tiled kernel (different rounding) at 64 query
+# rows; verify batches stay below it so every node's logits equal single-token decoding's.
+MAX_VERIFY_BATCH = 63
+
+
+def verify_tree(target, tree: DraftTree, n_past: int, taps: tuple[int, ...] = ()):
+    """Decode the whole tree in one batch with the root at position n_past.
+
+    Returns (logits [n_nodes, n_vocab], {layer: [n_nodes, n_embd]} taps, seq ids per node).
+    Leaves i get sequence ids 1..L that see the prefix (seq 0) through seq_cp; the caller
+    must `commit_tree` or `discard_tree` afterwards.
+    """
+    ids, leaves = tree.seq_ids(base=MAIN_SEQ + 1)
+    for s in range(1, len(leaves) + 1):
+        target.copy_seq(MAIN_SEQ, s, 0, n_past)
+    ids[0] = [MAIN_SEQ] + ids[0]  # the root is committed whatever is accepted
+    depths = tree.depths()
+    target.decode(tree.tokens, [n_past + d for d in depths], ids, [True] * len(tree))
+    logits = np.stack([target.logits_row(i) for i in range(len(tree))])
+    feats = {lid: target.tap(lid) for lid in taps}
+    return logits, feats, ids
+
+
+def commit_tree(target, ids: list[list[int]], n_leaves: int, n_past: int, verdict: Verdict) -> None:
+    """Keep root + accepted path in the main sequence, drop every other tree cell, and pack
+    the accepted cells next to the root so the cache is laid out exactly as a chain's."""
+    if verdict.accepted:
+        winner = ids[verdict.accepted[-1]][0]  # a leaf id below the last accepted node
+        target.copy_seq(winner, MAIN_SEQ, n_past + 1, n_past + 1 + len(verdict.accepted))
+    for s in range(1, n_leaves + 1):
+        target.remove(s, -1, -1)
+    if verdict.accepted:
+        target.pack_tail(MAIN_SEQ, n_past + 1)
+
+
+def discard_tree(target, n_leaves: int, n_past: int) -> None:
+    for s in range(1, n_leaves + 1):
+        target.remove(s, -1, -1)
+    target.remove(MAIN_SEQ, n_past, -1)
+
+
+def speculative_steps(s) -> Iterator[list[int]]:
+    """Step function for generate_stream (StepState `s` carries target and drafter)."""
+    t, d = s.target, s.drafter
+    bonus = sample(s.logits, s.sampling, s.rng, s.tokens)  # the prefill pass's token
+    s.stats.record_pass(0)
+    yield [bonus]
+    while True:
+        n_past = len(s.tokens) - 1  # the cache holds tokens[:-1]; the root is tokens[-1]
+        t0 = time.perf_counter()
+        tree = d.propose(s.tokens)
+        t1 = time.perf_counter()
+        s.stats.draft_s += t1 - t0
+        if n_past + max(tree.depths()) >= t.n_ctx or len(tree) > min(MAX_VERIFY_BATCH, t.config.n_batch):
+            tree = DraftTree([s.tokens[-1]], [-1])  # no room: a plain step
+        n_leaves = len(tree.leaves())
+        committed = False
+        try:
+            logits, feats, ids = verify_tree(t, tree, n_past, d.target_layers)
+            verdict = accept(tree, logits, s.sampling, s.rng, s.tokens)
+            commit_tree(t, ids, n_leaves, n_past, verdict)
+            committed = True
+        finally:
+            if not committed:
+                discard_tree(t, n_leaves, n_past)
+        s.stats.verify_s += time.perf_counter() - t1
+        rows = [0, *verdict.accepted]
+        d.observe([tree.tokens[i] for i in rows], n_past, {lid: f[rows] for lid, f in feats.items()} or None)
+        s.stats.record_pass(len(verdict.accepted))
+        yield [tree.tokens[i] for i in verdict.accepted] + [verdict.token]

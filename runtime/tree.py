@@ -1,0 +1,99 @@
+"""A draft tree: what every drafter proposes and what the target verifies in one pass.
+
+Node 0 is the root: the last emitted token, not yet in the target's cache. Every other
+node i has a token, a parent (parents[i] < i, so nodes are in topological order) and,
+optionally, the draft distribution its siblings were drawn from. A chain of K drafted
+tokens is the tree with parents [-1, 0, 1, ..., K-1].
+
+For the target pass each leaf gets its own sequence id and a node carries the ids of
+all leaves below it, so with a unified KV cache each node attends exactly to the
+prefix plus its ancestors: node logits equal those of decoding that path alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class DraftTree:
+    tokens: list[int]  # [n_nodes], tokens[0] = root
+    parents: list[int]  # [n_nodes], parents[0] = -1
+    # q[i]: [n_vocab] draft distribution the children of node i were sampled from (i.i.d.),
+    # or None where the children were chosen deterministically (greedy / top-k / lookup)
+    q: list[np.ndarray | None] = field(default_factory=list)
+
+    def __post_init__(self):
+        if len(self.tokens) != len(self.parents) or not self.tokens or self.parents[0] != -1:
+            raise ValueError("a draft tree needs a root (parents[0] = -1) and one parent per node")
+        for i, p in enumerate(self.parents[1:], start=1):
+            if not 0 <= p < i:
+                raise ValueError(f"node {i} has parent {p}: parents must precede their children")
+        if not self.q:
+            self.q = [None] * len(self.tokens)
+
+    @classmethod
+    def chain(cls, root: int, drafted: list[int], q: list[np.ndarray | None] | None = None) -> "DraftTree":
+        """root -> d0 -> d1 ...; q[k] (optional) is the distribution d_k was drawn from."""
+        tokens = [root, *drafted]
+        parents = [-1, *range(len(drafted))]
+        qs: list[np.ndarray | None] = [None] * len(tokens)
+        if q is not None:
+            for k, dist in enumerate(q):
+                qs[k] = dist  # d_k is a child of node k
+        return cls(tokens, parents, qs)
+
+    @classmethod
+    def from_paths(cls, root: int, paths: list[list[int]]) -> "DraftTree":
+        """Merge token paths that share prefixes into one tree (deterministic drafts)."""
+        tokens, parents = [root], [-1]
+        index: dict[tuple[int, int], int] = {}
+        for path in paths:
+            node = 0
+            for tok in path:
+                key = (node, tok)
+                if key not in index:
+                    index[key] = len(tokens)
+                    tokens.append(tok)
+                    parents.append(node)
+                node = index[key]
+        return cls(tokens, parents)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def children(self) -> list[list[int]]:
+        out: list[list[int]] = [[] for _ in self.tokens]
+        for i, p in enumerate(self.parents[1:], start=1):
+            out[p].append(i)
+        return out
+
+    def depths(self) -> list[int]:
+        d = [0] * len(self.tokens)
+        for i, p in enumerate(self.parents[1:], start=1):
+            d[i] = d[p] + 1
+        return d
+
+    def leaves(self) -> list[int]:
+        has_child = set(self.parents[1:])
+        return [i for i in range(len(self.tokens)) if i not in has_child]
+
+    def path(self, node: int) -> list[int]:
+        """Node indices from the root to `node`, inclusive."""
+        out = []
+        while node != -1:
+            out.append(node)
+            node = self.parents[node]
+        return out[::-1]
+
+    def seq_ids(self, base: int = 1) -> tuple[list[list[int]], list[int]]:
+        """(per-node sequence ids, leaf of each id): leaf j gets id base + j and every node
+        carries the ids of the leaves below it."""
+        leaves = self.leaves()
+        ids: list[list[int]] = [[] for _ in self.tokens]
+        for j, leaf in enumerate(leaves):
+            for node in self.path(leaf):
+                ids[node].append(base + j)
+        return ids, leaves
