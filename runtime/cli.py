@@ -33,7 +33,7 @@ def cli():
 @cli.command()
 @click.argument("prompt")
 @click.option("--model", "model", default=None, help="GGUF path or fetched model name [default: bundled SmolLM2-135M]")
-@click.option("--method", type=click.Choice(["plain", "ngram"]), default="plain", show_default=True,
+@click.option("--method", type=click.Choice(["plain", "ngram", "specblock", "dblast"]), default="plain", show_default=True,
               help="plain decoding, or a drafter to speculate with")
 @click.option("--drafter", "drafter", default=None, help="drafter checkpoint (GGUF or torch checkpoint dir)")
 @click.option("--drafter-backend", type=click.Choice(["torch", "ggml"]), default=None,
@@ -118,8 +118,11 @@ def info():
 
 def _register_subgroups() -> None:
     from blockspec.models.cli import train
+    from blockspec.runtime.cli_apps import chat, serve
 
     cli.add_command(train)
+    cli.add_command(chat)
+    cli.add_command(serve)
 
 
 _register_subgroups()

@@ -109,7 +109,21 @@ def make_drafter(method: str, drafter_path: str | None = None, backend: str | No
         return None
     if method == "ngram":
         return NgramDrafter(block_size=block_size, branches=branches)
+    if method in ("specblock", "dblast"):  # need a trained drafter
+        if not drafter_path:
+            raise BlockspecError(f"--method {method} needs --drafter PATH (a checkpoint dir from "
+                                 f"`blockspec train {method}`)")
+        if backend is None:
+            backend = "ggml" if str(drafter_path).endswith(".gguf") else "torch"
+        if backend == "ggml":
+            raise BlockspecError(f"--method {method}: the ggml drafter backend is not available yet "
+                                 "(use a torch checkpoint dir with --drafter-backend torch)")
+        if backend != "torch":
+            raise BlockspecError(f"unknown drafter backend {backend!r} (torch or ggml)")
+        from blockspec.runtime.drafters_torch import make_torch_drafter
+
+        return make_torch_drafter(method, drafter_path, block_size=block_size, branches=branches)
     raise BlockspecError(f"unknown method {method!r}; available: {', '.join(METHODS)}")
 
 
-METHODS = ("plain", "ngram")
+METHODS = ("plain", "ngram", "specblock", "dblast")

@@ -5,3 +5,15 @@ reference drafters and training), ``blockspec.converters`` (checkpoints -> GGUF)
 """
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # `from blockspec import SpeculativeLlama` without importing llama_cpp at `import blockspec`
+    if name == "SpeculativeLlama":
+        from blockspec.runtime.llama_api import SpeculativeLlama
+
+        return SpeculativeLlama
+    raise AttributeError(f"module 'blockspec' has no attribute {name!r}")
+
+
+__all__ = ["SpeculativeLlama", "__version__"]

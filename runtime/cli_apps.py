@@ -1,0 +1,57 @@
+"""`blockspec chat` and `blockspec serve`: thin click commands over runtime/chat.py and
+runtime/server.py (heavy imports inside the commands, so `blockspec --help` stays instant)."""
+
+from __future__ import annotations
+
+import click
+
+_METHOD_HELP = "drafter method: plain, ngram, ... [default: the shipped default, see llama_api.DEFAULT_METHOD]"
+
+
+def _model_options(f):
+    f = click.option("--verbose", is_flag=True, help="show llama.cpp's log")(f)
+    f = click.option("--n-ctx", type=int, default=4096, show_default=True)(f)
+    f = click.option("--block-size", type=int, default=4, show_default=True, help="drafted tokens per block")(f)
+    f = click.option("--drafter-backend", type=click.Choice(["torch", "ggml"]), default=None,
+                     help="where a model drafter runs [default: ggml for a GGUF drafter]")(f)
+    f = click.option("--method", default=None, help=_METHOD_HELP)(f)
+    f = click.option("--drafter", default=None, help="drafter checkpoint (GGUF or torch checkpoint dir)")(f)
+    f = click.option("--model", default=None,
+                     help="GGUF path or fetched model name [default: bundled SmolLM2-135M]")(f)
+    return f
+
+
+@click.command()
+@_model_options
+@click.option("--temperature", type=float, default=0.2, show_default=True, help="0 = greedy; /temp X changes it")
+@click.option("--system", default=None, help="system message")
+@click.option("--max-tokens", type=int, default=1024, show_default=True, help="per answer (<= 0: up to the context)")
+@click.option("--seed", type=int, default=None, help="sampling seed [default: random]")
+def chat(model, drafter, method, drafter_backend, block_size, n_ctx, verbose, temperature, system, max_tokens, seed):
+    """Interactive chat with streaming answers.
+
+    Commands: /reset, /stats, /temp X, /exit (or Ctrl-D). Ctrl-C stops the current
+    answer and keeps the session; the partial answer stays in the history.
+    """
+    from blockspec.runtime.chat import run_chat
+
+    run_chat(model=model, drafter=drafter, method=method, drafter_backend=drafter_backend, block_size=block_size,
+             temperature=temperature, system=system, max_tokens=max_tokens, n_ctx=n_ctx, seed=seed, verbose=verbose)
+
+
+@click.command()
+@_model_options
+@click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on")
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--model-alias", default=None, help="model id reported by /v1/models [default: the GGUF file name]")
+def serve(model, drafter, method, drafter_backend, block_size, n_ctx, verbose, host, port, model_alias):
+    """OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions (SSE streaming
+    with "stream": true) and /v1/models.
+
+    One model, one context: requests are served one at a time, in arrival order (a streamed
+    response holds the model until it ends). Listens on 127.0.0.1 unless --host says otherwise.
+    """
+    from blockspec.runtime.server import run_server
+
+    run_server(model=model, drafter=drafter, method=method, drafter_backend=drafter_backend, block_size=block_size,
+               n_ctx=n_ctx, verbose=verbose, host=host, port=port, model_alias=model_alias)

@@ -1,0 +1,272 @@
+"""Block drafters run in torch (SpecBlock, DBlast) behind the runtime's `Drafter` interface.
+
+The drafter's context is the target's layer inputs at `target_layers` for every committed
+position; a `DraftCache` keeps their per-layer K/V. The engine keeps it in step by position:
+`observe` runs one pass over the new rows only (a prefill chunk, or root + accepted rows after a
+step) and `trim` crops. A block is anchored at the last position with features, t = len(history)-2
+(the cache holds 0..t), knows history[-1] = x[t+1] (the root of the tree) and drafts x[t+2]..
+(models/drafter.py). Drafts are deterministic (q = None): the engine's sample-and-match
+acceptance is lossless for any tree chosen independently of the target's sampling.
+
+The drafter shares the target's token embeddings (and its LM head when the checkpoint has no
+reduced draft vocabulary); they are read from the target's GGUF when the drafter is bound to a
+target in `check_target`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from blockspec.runtime.drafters import Drafter
+from blockspec.runtime.errors import BlockspecError
+from blockspec.runtime.tree import DraftTree
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+@lru_cache(maxsize=2)
+def _target_weights(gguf_path: str, mtime: float, need_head: bool):
+    """(token embeddings [V, H], LM head [V, H]) of a GGUF as float32 torch tensors; without
+    `need_head` (a drafter with its own reduced head) the head slot repeats the embeddings."""
+    import gguf
+    import torch
+
+    from blockspec.models.target import dequantize_tensor
+
+    reader = gguf.GGUFReader(gguf_path)
+    by_name = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in by_name:
+        raise BlockspecError(f"{gguf_path} has no token_embd.weight: the drafter cannot share its embeddings")
+    embed = torch.from_numpy(dequantize_tensor(by_name["token_embd.weight"]))
+    head = embed
+    if need_head and "output.weight" in by_name:
+        head = torch.from_numpy(dequantize_tensor(by_name["output.weight"]))
+    return embed, head
+
+
+class TorchDrafter(Drafter):
+    """A loaded SpecBlock/DBlast checkpoint (subclasses draft; this class keeps the context)."""
+
+    backend = "torch"
+
+    def __init__(self, model, meta: dict, path: str | os.PathLike = "", block_size: int | None = None):
+        torch = _torch()
+        self.model = model.eval().requires_grad_(False)
+        self.args = model.args
+        self.meta = meta
+        self.path = str(path)
+        self.name = self.args.model_type
+        self.target_layers = tuple(int(lid) for lid in self.args.target_layers)
+        n_predict = int(self.args.n_predict)
+        # --block-size caps the drafted tokens per block; the checkpoint fixes the most it can draft
+        self.block_size = n_predict if block_size is None else max(1, min(int(block_size), n_predict))
+        self.cache = model.new_cache()
+        self.tokens: list[int] = []  # token at each cached position (to catch an out-of-step engine)
+        self._bound: str | None = None
+        self._empty = torch.zeros(1, 0, len(self.target_layers) * self.args.target_dim)
+
+    # ------------------------------------------------------------------ target binding
+    def check_target(self, target) -> None:
+        a, where = self.args, f"drafter {self.path or self.name}"
+        if target.n_vocab != a.vocab_size:
+            raise BlockspecError(f"{where} was trained for a vocabulary of {a.vocab_size} tokens, "
+                                 f"the target has {target.n_vocab}")
+        if target.n_embd != a.target_dim or target.n_embd != a.dim:
+            raise BlockspecError(f"{where} reads target states of width {a.target_dim} (drafter width {a.dim}), "
+                                 f"the target's width is {target.n_embd}")
+        bad = [lid for lid in self.target_layers if not 0 <= lid < target.n_layer]
+        if bad:
+            raise BlockspecError(f"{where} reads target layers {list(self.target_layers)}, but the target has "
+                                 f"{target.n_layer} layers (0..{target.n_layer - 1}): {bad} out of range")
+        fp = self.meta.get("target_fingerprint") or {}
+        if fp.get("arch") and fp["arch"] != target.arch:
+            raise BlockspecError(f"{where} was trained on a {fp['arch']} target, this target is {target.arch}")
+        if fp.get("n_layer") and int(fp["n_layer"]) != target.n_layer:
+            raise BlockspecError(f"{where} was trained on a {fp['n_layer']}-layer target, "
+                                 f"this target has {target.n_layer} layers")
+        self._bind(target)
+        self._sync(target)
+
+    def _sync(self, target) -> None:
+        """Drop the target's cached rows past those this drafter holds features for: the engine
+        reuses the target's cached prefix, and the drafter cannot rebuild features for it."""
+        cached = list(getattr(target, "cached", []))
+        k = 0
+        for a, b in zip(cached, self.tokens):
+            if a != b:
+                break
+            k += 1
+        self.trim(k)
+        if k < len(cached):
+            target.remove(-1, k, -1)
+            target.cached = cached[:k]
+
+    def _bind(self, target) -> None:
+        path = str(getattr(target, "path", ""))
+        if self._bound == path:
+            return
+        if not path or not os.path.exists(path):
+            raise BlockspecError("the torch drafter needs the target's GGUF file to share its embeddings")
+        embed, head = _target_weights(path, os.path.getmtime(path), not self.args.draft_vocab_size)
+        self.model.bind_target(embed, head)
+        self._bound = path
+        self.trim(0)  # rows computed against another target mean nothing here
+
+    # ------------------------------------------------------------------ context
+    def trim(self, n: int) -> None:
+        if n < len(self.tokens):
+            self.cache.crop(n)
+            del self.tokens[n:]
+
+    def observe(self, tokens: Sequence[int], start: int, feats: dict[int, np.ndarray] | None) -> None:
+        torch = _torch()
+        if start > len(self.tokens):
+            raise RuntimeError(f"{self.name} drafter: rows from position {start} observed but it holds only "
+                               f"{len(self.tokens)} (the drafter must see every committed row)")
+        if feats is None or any(lid not in feats for lid in self.target_layers):
+            raise RuntimeError(f"{self.name} drafter needs taps of target layers {list(self.target_layers)}")
+        self.trim(start)
+        x = np.concatenate([np.asarray(feats[lid], dtype=np.float32) for lid in self.target_layers], axis=-1)
+        if x.shape[0] != len(tokens):
+            raise RuntimeError(f"{self.name} drafter: {len(tokens)} tokens but {x.shape[0]} feature rows")
+        with torch.inference_mode():
+            # one pass over the new rows: their conditioning and every layer's context K/V
+            self.model.context(self.model.condition(torch.from_numpy(x)[None]), self.cache)
+        self.tokens.extend(int(t) for t in tokens)
+
+    def _anchor(self, history: Sequence[int]):
+        """(anchors [1, 1], last token [1, 1]) of the block rooted at history[-1]."""
+        torch = _torch()
+        t = len(history) - 2
+        if len(self.tokens) != t + 1 or list(history[:t + 1]) != self.tokens:
+            raise RuntimeError(f"{self.name} drafter out of step: it holds {len(self.tokens)} rows, "
+                               f"the history has {t + 1} committed tokens")
+        return torch.tensor([[t]]), torch.tensor([[int(history[-1])]])
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, **options) -> "TorchDrafter":
+        """The drafter of the checkpoint dir `path` (its model_type picks the class)."""
+        model, meta = load_checkpoint(path)
+        kind = DRAFTERS.get(model.args.model_type)
+        if kind is None:
+            raise BlockspecError(f"{path}: model_type {model.args.model_type!r} is not a drafter "
+                                 f"(known: {', '.join(DRAFTERS)})")
+        return kind(model, meta, path, **options)
+
+
+class SpecBlockDrafter(TorchDrafter):
+    """SpecBlock: the greedy chain of the block, or (tree=True) a tree whose width at each depth is
+    the rank head's bucket there, grown best-first by draft log-probability up to `max_nodes`."""
+
+    def __init__(self, model, meta, path="", block_size: int | None = None, tree: bool = False,
+                 max_nodes: int = 8):
+        super().__init__(model, meta, path, block_size)
+        self.tree = tree
+        self.max_nodes = max(1, max_nodes) if tree else self.block_size
+        self.max_leaves = self.max_nodes if tree else 1
+
+    def propose(self, history: Sequence[int]) -> DraftTree:
+        torch = _torch()
+        anchors, last = self._anchor(history)
+        root, K = int(history[-1]), self.block_size
+        with torch.inference_mode():
+            out = self.model(self._empty, anchors, last, self.cache)  # cache unchanged: no new rows
+        logits = out.logits[0, 0, :K].float()  # [K, Vd]
+        if not self.tree:
+            return DraftTree.chain(root, self.model.vocab.to_target(logits.argmax(-1)).tolist())
+        widths = torch.tensor(self.args.rank_widths)[out.rank_logits[0, 0, :K].argmax(-1)]  # [K]
+        logp = torch.log_softmax(logits, dim=-1)
+        wmax = int(widths.max())
+        top = logp.topk(min(wmax, logp.shape[-1]), dim=-1)
+        cand = [self.model.vocab.to_target(top.indices[k, :int(widths[k])]).tolist() for k in range(K)]
+        cand_lp = [top.values[k, :int(widths[k])].tolist() for k in range(K)]
+        # best-first over paths: a node at depth k may take any of depth k+1's candidates; scores
+        # only fall along a path, so a parent is always taken before its children
+        tokens, parents = [root], [-1]
+        heap = [(-cand_lp[0][j], 0, 0, j) for j in range(len(cand[0]))]  # (-score, parent, depth, rank)
+        heapq.heapify(heap)
+        while heap and len(tokens) - 1 < self.max_nodes:
+            neg, parent, k, j = heapq.heappop(heap)
+            node = len(tokens)
+            tokens.append(cand[k][j])
+            parents.append(parent)
+            if k + 1 < K:
+                for j2 in range(len(cand[k + 1])):
+                    heapq.heappush(heap, (neg - cand_lp[k + 1][j2], node, k + 1, j2))
+        return DraftTree(tokens, parents)
+
+
+class DBlastDrafter(TorchDrafter):
+    """DBlast: `branches` categories z ~ softmax(prior / z_temperature) (z_temperature 0: the most
+    likely ones), each decoded greedily in the same pass; the branches merged into one tree."""
+
+    def __init__(self, model, meta, path="", block_size: int | None = None, branches: int = 1,
+                 z_temperature: float = 1.0, seed: int = 0):
+        super().__init__(model, meta, path, block_size)
+        self.branches = max(1, branches)
+        self.z_temperature = z_temperature
+        self.generator = _torch().Generator().manual_seed(seed)
+        self.max_nodes = self.block_size * self.branches
+        self.max_leaves = self.branches
+
+    def propose(self, history: Sequence[int]) -> DraftTree:
+        torch = _torch()
+        anchors, last = self._anchor(history)
+        with torch.inference_mode():
+            toks, _ = self.model.propose(self._empty, anchors, last, self.cache, n_branches=self.branches,
+                                         z_temperature=self.z_temperature, generator=self.generator)
+        paths = toks[0, 0, :, :self.block_size].tolist()  # [n, P]
+        return DraftTree.from_paths(int(history[-1]), paths)
+
+
+DRAFTERS = {"specblock": SpecBlockDrafter, "dblast": DBlastDrafter}
+
+
+def load_checkpoint(path: str | os.PathLike):
+    """(model, meta) of a checkpoint dir from `blockspec train`; BlockspecError, one line, otherwise."""
+    d = Path(path)
+    if not d.exists():
+        raise BlockspecError(f"drafter checkpoint {d} does not exist")
+    if not d.is_dir() or not (d / "drafter.json").is_file() or not (d / "drafter.safetensors").is_file():
+        raise BlockspecError(f"{d} is not a drafter checkpoint dir (drafter.json + drafter.safetensors "
+                             "from `blockspec train`)")
+    try:
+        meta = json.loads((d / "drafter.json").read_text())
+        margs = meta["model_args"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise BlockspecError(f"{d}/drafter.json is not a drafter checkpoint's metadata ({e})") from None
+    if margs.get("model_type") not in DRAFTERS:
+        raise BlockspecError(f"{d}: model_type {margs.get('model_type')!r} is not a drafter "
+                             f"(known: {', '.join(DRAFTERS)})")
+    from blockspec.models.train import load_drafter
+
+    try:
+        model, meta = load_drafter(d)
+    except (RuntimeError, ValueError, OSError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise BlockspecError(f"{d}: cannot load drafter weights: {first}") from None
+    return model, meta
+
+
+def make_torch_drafter(method: str, path: str | os.PathLike, block_size: int | None = None,
+                       branches: int = 1) -> TorchDrafter:
+    """The drafter for `--method specblock|dblast --drafter PATH`; the checkpoint must be of that kind.
+    SpecBlock with branches > 1 drafts a rank-head tree of up to block_size * branches nodes."""
+    model, meta = load_checkpoint(path)
+    if model.args.model_type != method:
+        raise BlockspecError(f"{path} is a {model.args.model_type} checkpoint, not {method}")
+    if method == "specblock":
+        bs = min(block_size or model.args.n_predict, model.args.n_predict)
+        return SpecBlockDrafter(model, meta, path, block_size, tree=branches > 1, max_nodes=bs * branches)
+    return DBlastDrafter(model, meta, path, block_size, branches=branches)

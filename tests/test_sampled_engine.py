@@ -1,0 +1,81 @@
+"""Sampled speculative decoding on the real model follows the target's distribution:
+the joint law of the first two generated tokens, chain and tree, at two temperatures,
+against the exact law computed from the target's own logits (chi-square)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy import stats as sps
+
+from blockspec.runtime.drafters import Drafter
+from blockspec.runtime.generate import generate
+from blockspec.runtime.prompt import prompt_tokens
+from blockspec.runtime.sampling import SamplingParams, target_distribution
+from blockspec.runtime.target import Target, TargetConfig
+from blockspec.runtime.tree import DraftTree
+
+N_RUNS = 300
+
+
+class PathsDrafter(Drafter):
+    """Proposes fixed paths after the prompt (deterministic drafts: sample-and-match)."""
+
+    name = "paths"
+
+    def __init__(self, paths, n_prompt):
+        self.paths, self.n_prompt = paths, n_prompt
+        self.max_nodes, self.max_leaves = 8, 4
+
+    def propose(self, history):
+        if len(history) == self.n_prompt + 1:  # root = first generated token: draft its children
+            return DraftTree.from_paths(history[-1], [p[1:] for p in self.paths if p[0] == history[-1]])
+        return DraftTree([history[-1]], [-1])
+
+
+@pytest.fixture(scope="module")
+def setup(smollm2_path):
+    with Target(smollm2_path, TargetConfig(n_ctx=512, n_seq_max=8)) as t:
+        prompt = prompt_tokens(t, "Name a colour.")
+        yield t, prompt
+
+
+def _exact_joint(t, prompt, params):
+    t.clear()
+    p1 = target_distribution(t.prefill(prompt), params, prompt)
+    joint = {}
+    for x1 in np.nonzero(p1)[0]:
+        t.clear()
+        p2 = target_distribution(t.prefill(prompt + [int(x1)]), params, prompt + [int(x1)])
+        for x2 in np.nonzero(p2)[0]:
+            joint[(int(x1), int(x2))] = p1[x1] * p2[x2]
+    return joint, p1
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.5])
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_sampled_speculative_matches_target_law(setup, shape, temperature):
+    t, prompt = setup
+    params = SamplingParams(temperature=temperature, top_k=3, top_p=1.0, min_p=0.0)
+    joint, p1 = _exact_joint(t, prompt, params)
+    # drafts: the likely continuations of each likely first token (the second and third
+    # tokens' drafts are what acceptance judges; the first comes from the prefill)
+    likely = sorted(joint, key=joint.get, reverse=True)
+    paths = [list(k) for k in likely[: (1 if shape == "chain" else 4)]]
+    counts: dict[tuple[int, int], int] = {}
+    t.clear()
+    for seed in range(N_RUNS):
+        sp = SamplingParams(temperature=temperature, top_k=3, top_p=1.0, min_p=0.0, seed=seed)
+        gen = generate(t, prompt, max_tokens=2, sampling=sp, drafter=PathsDrafter(paths, len(prompt)))
+        key = tuple(gen.tokens[:2])
+        counts[key] = counts.get(key, 0) + 1
+    assert set(counts) <= set(joint), "sampled a pair outside the target's support"
+    keys = sorted(joint)
+    obs = np.array([counts.get(k, 0) for k in keys], dtype=float)
+    exp = np.array([joint[k] for k in keys]) * N_RUNS
+    big = exp >= 5  # pool rare cells so the chi-square approximation holds
+    obs = np.append(obs[big], obs[~big].sum())
+    exp = np.append(exp[big], exp[~big].sum())
+    keep = exp > 0
+    pvalue = sps.chisquare(obs[keep], exp[keep] * obs.sum() / exp[keep].sum()).pvalue
+    assert pvalue > 1e-4, (pvalue, dict(zip(keys, obs)), dict(zip(keys, exp)))
