@@ -29,6 +29,11 @@ class Drafter:
     def trim(self, n: int) -> None:
         """Forget committed rows at positions >= n."""
 
+    def held_prefix(self, tokens: Sequence[int]) -> int:
+        """How many leading `tokens` this drafter already holds state for. The engine reuses
+        at most that much of the target's cached prompt (a model-free drafter needs none)."""
+        return len(tokens)
+
     def observe(self, tokens: Sequence[int], start: int, feats: dict[int, np.ndarray] | None) -> None:
         """Committed rows: tokens at positions start.., with their target taps [n, n_embd] per layer."""
 

@@ -96,21 +96,14 @@ class TorchDrafter(Drafter):
             raise BlockspecError(f"{where} was trained on a {fp['n_layer']}-layer target, "
                                  f"this target has {target.n_layer} layers")
         self._bind(target)
-        self._sync(target)
 
-    def _sync(self, target) -> None:
-        """Drop the target's cached rows past those this drafter holds features for: the engine
-        reuses the target's cached prefix, and the drafter cannot rebuild features for it."""
-        cached = list(getattr(target, "cached", []))
+    def held_prefix(self, tokens) -> int:
         k = 0
-        for a, b in zip(cached, self.tokens):
+        for a, b in zip(tokens, self.tokens):
             if a != b:
                 break
             k += 1
-        self.trim(k)
-        if k < len(cached):
-            target.remove(-1, k, -1)
-            target.cached = cached[:k]
+        return k
 
     def _bind(self, target) -> None:
         path = str(getattr(target, "path", ""))

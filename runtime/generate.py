@@ -102,6 +102,8 @@ def _prefill(target, prompt: list[int], drafter) -> np.ndarray:
             break
         common += 1
     common = min(common, len(prompt) - 1)
+    if drafter is not None:
+        common = min(common, drafter.held_prefix(prompt))
     target.remove(-1, common, -1)
     target.cached = prompt[:common]
     layers = tuple(drafter.target_layers) if drafter is not None else ()
@@ -153,6 +155,7 @@ def generate_stream(target, prompt: Sequence[int], *, max_tokens: int = 256,
                              "(raise --n-ctx or shorten the prompt)")
     if drafter is not None:
         drafter.check_target(target)
+        target.exact_batch_limit  # probe (clears the cache) before the prefill, once per model
     stats = stats if stats is not None else Stats(method="plain")
     stats.method = drafter.name if drafter is not None else "plain"
     stats.drafter_backend = drafter.backend if drafter is not None else None

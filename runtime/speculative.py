@@ -19,9 +19,6 @@ from blockspec.runtime.sampling import sample
 from blockspec.runtime.tree import DraftTree
 
 MAIN_SEQ = 0
-# ggml's CPU flash attention switches to a tiled kernel (different rounding) at 64 query
-# rows; verify batches stay below it so every node's logits equal single-token decoding's.
-MAX_VERIFY_BATCH = 63
 
 
 def verify_tree(target, tree: DraftTree, n_past: int, taps: tuple[int, ...] = ()):
@@ -72,7 +69,10 @@ def speculative_steps(s) -> Iterator[list[int]]:
         tree = d.propose(s.tokens)
         t1 = time.perf_counter()
         s.stats.draft_s += t1 - t0
-        if n_past + max(tree.depths()) >= t.n_ctx or len(tree) > min(MAX_VERIFY_BATCH, t.config.n_batch):
+        # a batch larger than the target's exact limit would round differently from plain
+        # decoding (Target.exact_batch_limit); keep the tree's first nodes instead
+        tree = tree.prefix(min(len(tree), t.exact_batch_limit, t.config.n_batch))
+        if n_past + max(tree.depths()) >= t.n_ctx:
             tree = DraftTree([s.tokens[-1]], [-1])  # no room: a plain step
         n_leaves = len(tree.leaves())
         committed = False

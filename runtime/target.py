@@ -295,6 +295,17 @@ class Target:
             raise RuntimeError(f"no logits for output row {i}")
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
 
+    # ---------------------------------------------------------------- batch invariance
+    @property
+    def exact_batch_limit(self) -> int:
+        """The largest batch whose logits equal decoding its tokens one at a time, bit for
+        bit, on this build, model and thread count. Speculative verification never uses a
+        larger batch, which is what keeps its output exactly plain decoding's. Probed once
+        and cached under the model cache (a few seconds the first time)."""
+        if getattr(self, "_exact_limit", None) is None:
+            self._exact_limit = _cached_exact_batch_limit(self)
+        return self._exact_limit
+
     # ---------------------------------------------------------------- layer taps
     def enable_taps(self, layers: Sequence[int]) -> None:
         """Capture the input of each layer in `layers` (0 = token embeddings) on every
@@ -336,6 +347,60 @@ class Target:
             if on_chunk is not None:
                 on_chunk(chunk)
         return self.logits_row(-1)
+
+
+PROBE_BATCHES = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 63)
+
+
+def probe_exact_batch_limit(t: Target) -> int:
+    """Decode a fixed text one token at a time, then in batches of each size in
+    PROBE_BATCHES; return the largest size (and every smaller one) whose logit rows are
+    bit-identical to the one-at-a-time rows. Clears the cache."""
+    text = ("The quick brown fox jumps over the lazy dog while the cat sleeps on a warm mat. " * 8)
+    toks = t.tokenize(text)
+    prefix, rest = toks[:8], toks[8:8 + min(max(PROBE_BATCHES), t.n_ctx - 9)]
+    t.clear()
+    t.prefill(prefix)
+    ref = []
+    for i, tok in enumerate(rest):
+        t.decode([tok], [len(prefix) + i])
+        ref.append(t.logits_row(-1))
+    limit = 1
+    for n in PROBE_BATCHES:
+        if n > len(rest) or n > t.config.n_batch:
+            break
+        t.clear()
+        t.prefill(prefix)
+        t.decode(rest[:n], range(len(prefix), len(prefix) + n), logits=[True] * n)
+        if not all(np.array_equal(t.logits_row(i), ref[i]) for i in range(n)):
+            break
+        limit = n
+    t.clear()
+    return limit
+
+
+def _cached_exact_batch_limit(t: Target) -> int:
+    import json
+
+    from blockspec.runtime.modelfile import cache_dir
+
+    st = t.path.stat()
+    threads = t.config.n_threads or int(os.environ.get("BLOCKSPEC_THREADS", 0)) or (os.cpu_count() or 1)
+    key = "|".join(map(str, [t.path.resolve(), st.st_size, int(st.st_mtime), system_info(), threads,
+                             t.config.flash_attn, safe_extra_bufts(), t.config.n_gpu_layers,
+                             os.environ.get("GGML_BATCH_INVARIANT")]))
+    path = cache_dir() / "exact_batch_limit.json"
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        table = {}
+    if key not in table:
+        table[key] = probe_exact_batch_limit(t)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(table, indent=1))
+        os.replace(tmp, path)
+    return int(table[key])
 
 
 def open_target(model_path: str | os.PathLike | None = None, **config) -> Target:

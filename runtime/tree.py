@@ -61,6 +61,10 @@ class DraftTree:
                 node = index[key]
         return cls(tokens, parents)
 
+    def prefix(self, n: int) -> "DraftTree":
+        """The first n nodes: still a tree, since parents precede their children."""
+        return DraftTree(self.tokens[:n], self.parents[:n], self.q[:n])
+
     def __len__(self) -> int:
         return len(self.tokens)
 

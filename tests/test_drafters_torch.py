@@ -103,6 +103,9 @@ class WithOracle(Drafter):
     def trim(self, n):
         self.inner.trim(n)
 
+    def held_prefix(self, tokens):
+        return self.inner.held_prefix(tokens)
+
     def observe(self, tokens, start, feats):
         self.inner.observe(tokens, start, feats)
 

@@ -119,3 +119,35 @@ def test_tree_node_logits_equal_path_alone(target):
         alone = np.stack([target.logits_row(k) for k in range(len(path))])
         # flash attention skips masked cells, and every batch here is below 64 tokens: exact
         np.testing.assert_array_equal(logits[path], alone)
+
+
+def test_exact_batch_limit_probe(target):
+    # measured on this build: SmolLM2 Q4_1 is batch-invariant up to flash attention's
+    # tiled kernel at 64 rows
+    limit = target.exact_batch_limit
+    assert 2 <= limit <= 63
+    print(f"\nSmolLM2 Q4_1 exact batch limit: {limit}")
+
+
+def test_trees_are_cut_to_the_exact_batch_limit(target, monkeypatch):
+    prompt = prompt_tokens(target, PROMPTS[19])
+    plain = generate(target, prompt, max_tokens=48, sampling=GREEDY)
+    monkeypatch.setattr(target, "_exact_limit", 2)  # root + one drafted node per pass
+    spec = generate(target, prompt, max_tokens=48, sampling=GREEDY, drafter=NgramDrafter(block_size=4, branches=2))
+    assert spec.tokens == plain.tokens
+    assert len(spec.stats.accept_hist) <= 2
+
+
+def test_greedy_lossless_on_qwen_k_quants():
+    """Q4_K_M weights: ggml's CPU kernels round a batch of 4+ rows differently from a single
+    row, so the probe caps verify batches and the output still equals plain decoding."""
+    from blockspec.runtime.modelfile import fetch
+
+    with Target(fetch("qwen2.5-coder-0.5b", progress=False), TargetConfig(n_ctx=1024, n_seq_max=8)) as t:
+        limit = t.exact_batch_limit
+        for text in ["Write a Python function that reverses a list.", "Count from 1 to 30, separated by commas."]:
+            prompt = prompt_tokens(t, text)
+            plain = generate(t, prompt, max_tokens=64, sampling=GREEDY)
+            spec = generate(t, prompt, max_tokens=64, sampling=GREEDY, drafter=NgramDrafter(block_size=3, branches=2))
+            assert spec.tokens == plain.tokens, f"limit {limit}"
+        print(f"\nqwen2.5-coder-0.5b Q4_K_M exact batch limit: {limit}")
