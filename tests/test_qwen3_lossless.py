@@ -50,43 +50,7 @@ def write_qwen3_gguf(path, tokenizer_gguf, seed: int = 0, std: float = 1.0, head
                 p.normal_(0.0, head_std)
             else:
                 p.normal_(0.0, std / p.shape[-1] ** 0.5)
-    state = model.state_dict()
-    reader = gguf.GGUFReader(str(tokenizer_gguf))
-    w = gguf.GGUFWriter(str(path), args.arch)
-    w.add_block_count(args.n_layer)
-    w.add_context_length(4096)
-    w.add_embedding_length(args.dim)
-    w.add_feed_forward_length(args.ffn_dim)
-    w.add_head_count(args.n_head)
-    w.add_head_count_kv(args.n_kv_head)
-    w.add_key_length(args.head_dim)
-    w.add_value_length(args.head_dim)
-    w.add_rope_freq_base(args.rope_base)
-    w.add_layer_norm_rms_eps(args.norm_eps)
-    w.add_rope_dimension_count(args.head_dim)
-    w.add_vocab_size(args.vocab_size)
-    for name, field in reader.fields.items():
-        if not name.startswith("tokenizer."):
-            continue
-        vtype = field.types[0]
-        if vtype == gguf.GGUFValueType.ARRAY:
-            w.add_key_value(name, field.contents(), vtype, sub_type=field.types[-1])
-        else:
-            w.add_key_value(name, field.contents(), vtype)
-    top = {"tok_embeddings.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
-           "output.weight": "output.weight"}
-    blk = {v: k for k, v in tgt._BLOCK_NAMES.items()}
-    for n, t in state.items():
-        if n in top:
-            g = top[n]
-        else:
-            _, idx, rest = n.split(".", 2)
-            g = f"blk.{idx}.{blk[rest]}"
-        w.add_tensor(g, t.detach().float().numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    tgt.write_tiny_gguf(path, args, state=model.state_dict(), tokenizer_from=tokenizer_gguf)
 
 
 @pytest.fixture(scope="module")
