@@ -121,6 +121,8 @@ def _prefill(target, prompt: list[int], drafter) -> np.ndarray:
     logits = target.prefill(prompt[common:], start=common, on_chunk=feed)
     target.cached = list(prompt)
     return logits
+
+
 class Utf8Text:
     """Token bytes -> text that never splits a multi-byte character across chunks."""
 
