@@ -50,7 +50,10 @@ class NgramDrafter(Drafter):
 
     name = "ngram"
 
-    def __init__(self, block_size: int = 4, min_ngram: int = 1, max_ngram: int = 3, branches: int = 1):
+    # min_ngram 3: on 10 of the suite's chat prompts (SmolLM2, 128 tokens) 1-token matches
+    # raised tau from 1.46 to 1.64 but cut speed from 1.04x to 0.75x of plain: short matches
+    # propose wrong blocks that still cost a wider verify
+    def __init__(self, block_size: int = 4, min_ngram: int = 3, max_ngram: int = 3, branches: int = 1):
         if block_size < 1 or branches < 1 or not 1 <= min_ngram <= max_ngram:
             raise ValueError("ngram drafter needs block_size >= 1, branches >= 1, 1 <= min_ngram <= max_ngram")
         self.block_size = block_size
