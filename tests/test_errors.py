@@ -42,3 +42,25 @@ def test_prompt_longer_than_context():
 def test_unknown_fetch_name():
     r = run_cli("models", "fetch", "llama-70b")
     assert r.returncode == 2 and "Invalid value" in r.stderr
+
+
+def test_ctrl_c_mid_generation_keeps_the_text():
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    exe = Path(sys.executable).with_name("blockspec")
+    p = subprocess.Popen([str(exe), "generate", "Write a long story about a dragon.", "--max-tokens", "4000"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "BLOCKSPEC_THREADS": "1"})
+    first = p.stdout.read(40)  # blocks until generation is under way
+    time.sleep(0.5)
+    p.send_signal(signal.SIGINT)
+    rest, err = p.communicate(timeout=60)
+    out, err = (first + rest).decode(), err.decode()
+    assert p.returncode == 130, err
+    assert len(out) > 40 and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == "blockspec: interrupted"
+    assert "finish: interrupted" in err
