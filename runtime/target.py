@@ -132,8 +132,8 @@ class Target:
         cp.kv_unified = True
         # all cores by default; BLOCKSPEC_THREADS overrides (ggml's spinning barriers collapse
         # when another process holds a core, so fewer threads win on a busy machine)
-        threads = cfg.n_threads or int(os.environ.get("BLOCKSPEC_THREADS", 0)) or max(1, os.cpu_count() or 1)
-        cp.n_threads = cp.n_threads_batch = threads
+        self.n_threads = cfg.n_threads or int(os.environ.get("BLOCKSPEC_THREADS", 0)) or max(1, os.cpu_count() or 1)
+        cp.n_threads = cp.n_threads_batch = self.n_threads
         cp.flash_attn_type = 1 if cfg.flash_attn else 0  # LLAMA_FLASH_ATTN_TYPE_ENABLED / _DISABLED
         if cfg.cb_eval is not None:
             cp.cb_eval = cfg.cb_eval
@@ -385,8 +385,7 @@ def _cached_exact_batch_limit(t: Target) -> int:
     from blockspec.runtime.modelfile import cache_dir
 
     st = t.path.stat()
-    threads = t.config.n_threads or int(os.environ.get("BLOCKSPEC_THREADS", 0)) or (os.cpu_count() or 1)
-    key = "|".join(map(str, [t.path.resolve(), st.st_size, int(st.st_mtime), system_info(), threads,
+    key = "|".join(map(str, [t.path.resolve(), st.st_size, int(st.st_mtime), system_info(), t.n_threads,
                              t.config.flash_attn, safe_extra_bufts(), t.config.n_gpu_layers,
                              os.environ.get("GGML_BATCH_INVARIANT")]))
     path = cache_dir() / "exact_batch_limit.json"

@@ -27,8 +27,12 @@ def smollm2(smollm2_path):
         yield t
 
 
+def cli_exe() -> str:
+    """The installed console script."""
+    return str(Path(sys.executable).with_name("blockspec"))
+
+
 def run_cli(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     """The installed console script, as a user runs it."""
-    exe = Path(sys.executable).with_name("blockspec")
-    return subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=timeout,
+    return subprocess.run([cli_exe(), *args], capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})})

@@ -48,12 +48,11 @@ def test_ctrl_c_mid_generation_keeps_the_text():
     import os
     import signal
     import subprocess
-    import sys
     import time
-    from pathlib import Path
 
-    exe = Path(sys.executable).with_name("blockspec")
-    p = subprocess.Popen([str(exe), "generate", "Write a long story about a dragon.", "--max-tokens", "4000"],
+    from conftest import cli_exe
+
+    p = subprocess.Popen([cli_exe(), "generate", "Write a long story about a dragon.", "--max-tokens", "4000"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "BLOCKSPEC_THREADS": "1"})
     first = p.stdout.read(40)  # blocks until generation is under way
     time.sleep(0.5)
