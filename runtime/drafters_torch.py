@@ -39,19 +39,17 @@ def _torch():
 def _target_weights(gguf_path: str, mtime: float, need_head: bool):
     """(token embeddings [V, H], LM head [V, H]) of a GGUF as float32 torch tensors; without
     `need_head` (a drafter with its own reduced head) the head slot repeats the embeddings."""
-    import gguf
     import torch
 
-    from blockspec.models.target import dequantize_tensor
+    from blockspec.converters.drafter import read_gguf_tensors
 
-    reader = gguf.GGUFReader(gguf_path)
-    by_name = {t.name: t for t in reader.tensors}
+    # not gguf.GGUFReader: its full metadata parse costs seconds for a large vocabulary
+    by_name = read_gguf_tensors(gguf_path, ["token_embd.weight", "output.weight"] if need_head else
+                                ["token_embd.weight"])
     if "token_embd.weight" not in by_name:
         raise BlockspecError(f"{gguf_path} has no token_embd.weight: the drafter cannot share its embeddings")
-    embed = torch.from_numpy(dequantize_tensor(by_name["token_embd.weight"]))
-    head = embed
-    if need_head and "output.weight" in by_name:
-        head = torch.from_numpy(dequantize_tensor(by_name["output.weight"]))
+    embed = torch.from_numpy(by_name["token_embd.weight"])
+    head = torch.from_numpy(by_name["output.weight"]) if "output.weight" in by_name else embed
     return embed, head
 
 
@@ -79,6 +77,10 @@ class TorchDrafter(Drafter):
     # ------------------------------------------------------------------ target binding
     def check_target(self, target) -> None:
         a, where = self.args, f"drafter {self.path or self.name}"
+        if self.meta.get("format") == "gguf":  # a GGUF drafter records its target's fingerprint
+            from blockspec.converters.drafter import check_pairing, target_fingerprint
+
+            check_pairing(self.meta, target_fingerprint(target.path))
         if target.n_vocab != a.vocab_size:
             raise BlockspecError(f"{where} was trained for a vocabulary of {a.vocab_size} tokens, "
                                  f"the target has {target.n_vocab}")
@@ -227,10 +229,15 @@ DRAFTERS = {"specblock": SpecBlockDrafter, "dblast": DBlastDrafter}
 
 
 def load_checkpoint(path: str | os.PathLike):
-    """(model, meta) of a checkpoint dir from `blockspec train`; BlockspecError, one line, otherwise."""
+    """(model, meta) of a checkpoint dir from `blockspec train` or of a drafter GGUF file;
+    BlockspecError, one line, otherwise."""
     d = Path(path)
     if not d.exists():
         raise BlockspecError(f"drafter checkpoint {d} does not exist")
+    if d.is_file():  # a drafter is a checkpoint dir or a GGUF file
+        from blockspec.converters.drafter import read_drafter_gguf
+
+        return read_drafter_gguf(d)
     if not d.is_dir() or not (d / "drafter.json").is_file() or not (d / "drafter.safetensors").is_file():
         raise BlockspecError(f"{d} is not a drafter checkpoint dir (drafter.json + drafter.safetensors "
                              "from `blockspec train`)")
