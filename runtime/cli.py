@@ -124,6 +124,7 @@ def _register_subgroups() -> None:
     cli.add_command(__import__("blockspec.runtime.bench", fromlist=["bench"]).bench)
     cli.add_command(chat)
     cli.add_command(serve)
+    cli.add_command(__import__("blockspec.converters.cli", fromlist=["convert"]).convert)
 
 
 _register_subgroups()
