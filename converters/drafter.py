@@ -15,7 +15,6 @@ refuse to pair it with a target that differs in vocabulary, width, depth or toke
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from functools import lru_cache
 from pathlib import Path
@@ -38,7 +37,7 @@ def register(cls):
     return cls
 
 
-# ------------------------------------------------------------------------------ target fingerprint
+# ------------------------------------------------------------------------------ reading GGUF files
 def _open_gguf(path: str | os.PathLike, what: str):
     import gguf
 
@@ -193,6 +192,7 @@ def read_gguf_tensors(path: str | os.PathLike, names) -> dict[str, np.ndarray]:
     return out
 
 
+# ------------------------------------------------------------------------------ target fingerprint
 @lru_cache(maxsize=8)
 def _fingerprint_cached(path: str, mtime: float, size: int) -> tuple:
     try:
@@ -475,27 +475,3 @@ def read_drafter_gguf(path: str | os.PathLike):
 def load_drafter_gguf(path: str | os.PathLike):
     """The torch SpecBlock/DBlast module of a drafter GGUF (dequantized to float32)."""
     return read_drafter_gguf(path)[0]
-
-
-def main(argv=None) -> int:
-    """python -m blockspec.converters.drafter CKPT OUT.gguf [--outtype f16] [--target T.gguf]"""
-    import argparse
-    import sys
-
-    p = argparse.ArgumentParser(prog="python -m blockspec.converters.drafter", description=main.__doc__)
-    p.add_argument("ckpt")
-    p.add_argument("out")
-    p.add_argument("--outtype", default="f16", choices=OUTTYPES)
-    p.add_argument("--target", default=None)
-    a = p.parse_args(argv)
-    try:
-        out = convert_drafter(a.ckpt, a.out, a.outtype, a.target)
-    except BlockspecError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    print(json.dumps(dict(out=str(out), bytes=out.stat().st_size, outtype=a.outtype)))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -281,6 +281,15 @@ def test_truncated_or_corrupt_gguf_is_one_line(targets, tmp_path):
                 load(bad)
             msg = str(e.value)
             assert "\n" not in msg and str(bad) in msg, (name, msg)
+    # a GGUF of our arch that lacks a key names the key
+    w = gguf.GGUFWriter(str(tmp_path / "nokey.gguf"), "specblock")
+    w.add_uint32("specblock.embedding_length", H)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(BlockspecError, match="key specblock.block_count is missing"):
+        read_drafter_gguf(tmp_path / "nokey.gguf")
     # a target GGUF is not a drafter
     with pytest.raises(BlockspecError, match="not a blockspec drafter"):
         read_drafter_gguf(targets["ok"])
