@@ -89,21 +89,43 @@ def _gguf_logits(path) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def qwen3_f32(hf_dirs, tmp_path_factory):
-    out = tmp_path_factory.mktemp("gguf") / "tiny-qwen3-f32.gguf"
-    r = run_cli("convert", "target", str(hf_dirs["qwen3"]), str(out), "--quantize", "f32")
-    assert r.returncode == 0, r.stderr[-2000:]
+def converted(hf_dirs, tmp_path_factory):
+    """Both targets converted at once (each conversion is mostly a fresh interpreter importing torch
+    and transformers, so the two overlap well): Qwen3 -> f32 through the CLI, Llama -> q5_1 through
+    convert_target (upstream's converter to f16, then llama_model_quantize)."""
+    import threading
+
+    from blockspec.converters.target import convert_target
+
+    root = tmp_path_factory.mktemp("gguf")
+    qwen3, llama = root / "tiny-qwen3-f32.gguf", root / "tiny-llama-q5_1.gguf"
+    err = []
+
+    def bg():
+        try:
+            convert_target(hf_dirs["llama"], llama, quantize_type="q5_1", progress=False)
+        except Exception as e:  # noqa: BLE001 - re-raised in the test thread
+            err.append(e)
+
+    th = threading.Thread(target=bg)
+    th.start()
+    r = run_cli("convert", "target", str(hf_dirs["qwen3"]), str(qwen3), "--quantize", "f32")
+    th.join()
+    assert r.returncode == 0, r.output[-2000:]
     assert "wrote" in r.stderr
-    return out
+    if err:
+        raise err[0]
+    return {"qwen3": qwen3, "llama": llama}
 
 
 @pytest.fixture(scope="module")
-def llama_q(hf_dirs, tmp_path_factory):
-    from blockspec.converters.target import convert_target
+def qwen3_f32(converted):
+    return converted["qwen3"]
 
-    out = tmp_path_factory.mktemp("gguf") / "tiny-llama-q5_1.gguf"
-    convert_target(hf_dirs["llama"], out, quantize_type="q5_1", progress=False)
-    return out
+
+@pytest.fixture(scope="module")
+def llama_q(converted):
+    return converted["llama"]
 
 
 def test_target_qwen3_f32_matches_hf(hf_dirs, qwen3_f32):
@@ -344,3 +366,25 @@ def test_cli_drafter_zlab_to_upstream(llama_q, tmp_path):
     assert f["dflash.target_layers"].contents() == [1, 3]
     r = run_cli("convert", "drafter", str(d), str(tmp_path / "y.gguf"))
     assert r.returncode == 1 and "--target" in r.stderr and r.stderr.strip().count("\n") == 0
+
+
+def test_cli_drafter_our_checkpoint_both_layouts(llama_q, tmp_path):
+    """Our own checkpoint dir (drafter.safetensors + drafter.json, as models/train.py writes it)
+    through both layouts: C1's blockspec GGUF and upstream's dflash."""
+    from safetensors.torch import save_file
+
+    model = _dblast()
+    ck = tmp_path / "ckpt"
+    ck.mkdir()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(ck / "drafter.safetensors"))
+    import dataclasses
+
+    (ck / "drafter.json").write_text(json.dumps(dict(model_args=dataclasses.asdict(model.args), config={}, step=0)))
+    r = run_cli("convert", "drafter", str(ck), str(tmp_path / "ours.gguf"), "--target", str(llama_q))
+    assert r.returncode == 0, r.output
+    assert gguf.GGUFReader(str(tmp_path / "ours.gguf")).fields["general.architecture"].contents() == "dblast"
+    r = run_cli("convert", "drafter", str(ck), str(tmp_path / "up.gguf"), "--target", str(llama_q),
+                "--layout", "upstream-dflash", "--outtype", "q8_0")
+    assert r.returncode == 0, r.output
+    t = {x.name: x for x in gguf.GGUFReader(str(tmp_path / "up.gguf")).tensors}
+    assert t["blk.0.attn_q.weight"].tensor_type.name == "Q8_0" and t["blk.0.attn_norm.weight"].tensor_type.name == "F32"
