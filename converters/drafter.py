@@ -2,6 +2,7 @@
 
     convert_drafter(ckpt, out_path, outtype="f16", target=None) -> Path
     load_drafter_gguf(path) -> torch module      (read_drafter_gguf: module and its metadata)
+    read_drafter_meta(path) -> dict              (no torch: for the ggml backend's pairing check)
     target_fingerprint(target_gguf) -> dict;  check_pairing(drafter_meta, fingerprint)
 
 One registered converter class per drafter kind; each overrides only what differs from the common
@@ -416,7 +417,8 @@ def convert_drafter(ckpt, out_path: str | os.PathLike, outtype: str = "f16",
     if not target:
         raise BlockspecError("no target GGUF to fingerprint: pass target= (the checkpoint records none)")
     fp = target_fingerprint(target)
-    check_pairing({"model_args": _args_dict(model.args), "path": str(ckpt) if recorded else arch}, fp)
+    where = str(ckpt) if isinstance(ckpt, (str, os.PathLike)) else arch
+    check_pairing({"model_args": _args_dict(model.args), "path": where}, fp)
     return CONVERTERS[arch](model, fp, outtype).write(out_path)
 
 
@@ -426,23 +428,39 @@ def _args_dict(args) -> dict:
     return dataclasses.asdict(args)
 
 
+def _read_meta(path, reader) -> dict:
+    arch = _value(reader, Keys.ARCHITECTURE)
+    if arch not in CONVERTERS:
+        raise BlockspecError(f"{path} is a {arch!r} GGUF, not a blockspec drafter ({' or '.join(ARCHS)})")
+    margs = CONVERTERS[arch].args_from_gguf(reader, {t.name: t for t in reader.tensors})
+    fingerprint = {f: _value(reader, k) for f, k in Keys.FINGERPRINT.items()}
+    ftype = _value(reader, "general.file_type")
+    return dict(model_args=margs, target_fingerprint={k: v for k, v in fingerprint.items() if v is not None},
+                path=str(path), format="gguf", outtype={0: "f32", 1: "f16", 7: "q8_0"}.get(ftype, str(ftype)))
+
+
+def read_drafter_meta(path: str | os.PathLike) -> dict:
+    """A drafter GGUF's metadata without torch: {model_args (from the file's keys), target_fingerprint,
+    path, format: "gguf", outtype}; enough for `check_pairing` (the ggml backend's load-time check)."""
+    return _read_meta(path, _open_gguf(path, "drafter GGUF"))
+
+
 def read_drafter_gguf(path: str | os.PathLike):
-    """(torch drafter module, meta) from a drafter GGUF; meta = {model_args, target_fingerprint,
-    path, format: "gguf", outtype}. BlockspecError, one line, for anything that is not one."""
+    """(torch drafter module, meta) from a drafter GGUF; meta as `read_drafter_meta`, with the
+    module's full model_args. BlockspecError, one line, for anything that is not one."""
     torch = _torch()
     import gguf
 
     from blockspec.models import build_model
 
     reader = _open_gguf(path, "drafter GGUF")
-    arch = _value(reader, Keys.ARCHITECTURE)
-    if arch not in CONVERTERS:
-        raise BlockspecError(f"{path} is a {arch!r} GGUF, not a blockspec drafter ({' or '.join(ARCHS)})")
+    meta = _read_meta(path, reader)
+    margs, arch = meta["model_args"], meta["model_args"]["model_type"]
     tensors = {t.name: t for t in reader.tensors}
-    margs = CONVERTERS[arch].args_from_gguf(reader, tensors)
-    fingerprint = {f: _value(reader, k) for f, k in Keys.FINGERPRINT.items()}
-    fingerprint = {k: v for k, v in fingerprint.items() if v is not None}
-    model = build_model(margs)
+    try:
+        model = build_model(margs)
+    except (ValueError, RuntimeError, TypeError, ZeroDivisionError) as e:
+        raise BlockspecError(f"{path}: drafter metadata does not describe a valid {arch} drafter ({e})") from None
     expected = model.state_dict()
     state = {}
     for gname, t in tensors.items():
@@ -466,9 +484,7 @@ def read_drafter_gguf(path: str | os.PathLike):
     if missing:
         raise BlockspecError(f"{path}: drafter tensors missing: {', '.join(missing[:4])}")
     model.load_state_dict(state)
-    ftype = _value(reader, "general.file_type")
-    meta = dict(model_args=_args_dict(model.args), target_fingerprint=fingerprint, path=str(path),
-                format="gguf", outtype={0: "f32", 1: "f16", 7: "q8_0"}.get(ftype, str(ftype)))
+    meta["model_args"] = _args_dict(model.args)
     return model.eval(), meta
 
 
