@@ -35,6 +35,9 @@ changes attention sharpness (not which key scores highest for a query). Numbers 
 engine on these weights are therefore upstream running a QK-normalised twin of our drafter, not
 a bit-exact replay; a drafter trained with QK-norm (DraftAttention growing q_norm/k_norm, as
 DFlash has) would export exactly (`attn.q_norm` / `attn.k_norm` are mapped when present).
+`qk_normed` below makes the torch DBlast compute upstream's function; tests/test_converters.py runs
+upstream's dflash graph in process on an export and matches it (f16 K/V rounding only), while
+plain DBlast logits on the same input differ by up to ~6 on a scaled random drafter.
 """
 
 from __future__ import annotations
@@ -197,3 +200,33 @@ def export_upstream_dflash(model_or_ckpt, out_path: str | os.PathLike, target: s
     finally:
         tmp.unlink(missing_ok=True)
     return out
+
+
+class qk_normed:
+    """Context manager: inside it, every DBlast computes what upstream's dflash graph computes on
+    the exported weights, i.e. q and k RMS-normalised per head (weights of ones) before attention.
+    Rope rotates pairs of a head vector, so it keeps the head's RMS: normalising after rope (what
+    this patch does) equals upstream's normalise-then-rope. For measuring the difference:
+        with qk_normed(model.args.norm_eps): upstream_logits = model(...).logits
+    """
+
+    def __init__(self, eps: float):
+        self.eps = eps
+
+    def __enter__(self):
+        from blockspec.models import drafter
+
+        self._orig = drafter.apply_rope
+        orig, eps = self._orig, self.eps
+
+        def rope_then_rms(x, cos, sin, neox):
+            y = orig(x, cos, sin, neox).float()
+            return (y * (y.pow(2).mean(-1, keepdim=True) + eps).rsqrt()).to(x.dtype)
+
+        drafter.apply_rope = rope_then_rms
+        return self
+
+    def __exit__(self, *exc):
+        from blockspec.models import drafter
+
+        drafter.apply_rope = self._orig

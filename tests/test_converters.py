@@ -388,3 +388,58 @@ def test_cli_drafter_our_checkpoint_both_layouts(llama_q, tmp_path):
     assert r.returncode == 0, r.output
     t = {x.name: x for x in gguf.GGUFReader(str(tmp_path / "up.gguf")).tensors}
     assert t["blk.0.attn_q.weight"].tensor_type.name == "Q8_0" and t["blk.0.attn_norm.weight"].tensor_type.name == "F32"
+
+
+def test_upstream_dflash_graph_runs_export(llama_q, tmp_path):
+    """Upstream's own dflash graph (llama.cpp, in process: feature rows injected with llama_process,
+    then the block [last, MASK x 3]) on the export equals our DBlast with per-head q/k RMS norm (the
+    one difference the layout cannot express), and the mask id never wins."""
+    import ctypes
+
+    import llama_cpp as ll
+
+    from blockspec.converters.upstream_dflash import export_upstream_dflash, qk_normed
+    from blockspec.models.target import load_target
+
+    model = _dblast().eval()
+    out = export_upstream_dflash(model, tmp_path / "dflash.gguf", target=llama_q, outtype="f32")
+    tgt = load_target(llama_q, emulate_ggml=False)
+    model.bind_target(tgt.tok_embeddings.weight, tgt.head_weight)
+    torch.manual_seed(3)
+    S, last = 7, 42
+    feats = torch.randn(1, S, 128)
+    with torch.no_grad(), qk_normed(model.args.norm_eps):
+        twin = model(feats, torch.tensor([[S - 1]]), torch.tensor([[last]])).logits[0, 0, 0].numpy()
+
+    mdl = ll.llama_model_load_from_file(str(out).encode(), ll.llama_model_default_params())
+    assert mdl
+    cp = ll.llama_context_default_params()
+    cp.n_ctx = cp.n_batch = cp.n_ubatch = 64
+    cp.n_threads = cp.n_threads_batch = 1
+    ctx = ll.llama_init_from_model(mdl, cp)
+    b = ll.llama_batch_ext_init(ctx)
+    try:
+        ll.llama_set_causal_attn(ctx, False)
+        rows = np.ascontiguousarray(feats[0].numpy(), dtype=np.float32)
+        for i in range(S):  # common/speculative.cpp's injection: one embedding row per context position
+            e = ll.llama_embd()
+            e.data, e.n_rows, e.n_embd = rows[i].ctypes.data_as(ctypes.POINTER(ctypes.c_float)), 1, rows.shape[1]
+            idx = ll.llama_batch_ext_add_embd(b, 0, e)
+            ll.llama_batch_ext_set_pos(b, idx, (ll.llama_pos * 4)(i, i, i, 0))
+        assert ll.llama_process(ctx, ll.LLAMA_PROCESS_TYPE_DECODE, b) == 0
+        ll.llama_batch_ext_clear(b)
+        for j, tok in enumerate([last, VOCAB, VOCAB, VOCAB]):  # VOCAB = the appended mask token id
+            idx = ll.llama_batch_ext_add_token(b, 0, tok)
+            ll.llama_batch_ext_set_pos(b, idx, (ll.llama_pos * 4)(S + j, 0, 0, 0))
+            ll.llama_batch_ext_set_output_logits(b, idx, True)
+        assert ll.llama_process(ctx, ll.LLAMA_PROCESS_TYPE_DECODE, b) == 0
+        got = np.stack([np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx, j), shape=(VOCAB + 1,)).copy()
+                        for j in range(1, 4)])
+    finally:
+        ll.llama_batch_ext_free(b)
+        ll.llama_free(ctx)
+        ll.llama_model_free(mdl)
+    assert np.isneginf(got[:, VOCAB]).all()
+    # f32 weights; llama.cpp keeps K/V in f16 (measured max 0.03 on a scaled random drafter)
+    np.testing.assert_allclose(got[:, :VOCAB], twin, atol=0.05)
+    assert (got[:, :VOCAB].argmax(-1) == twin.argmax(-1)).all()
