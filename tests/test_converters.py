@@ -364,6 +364,10 @@ def test_cli_drafter_zlab_to_upstream(llama_q, tmp_path):
     assert r.returncode == 0, r.stderr
     f = gguf.GGUFReader(str(out)).fields
     assert f["dflash.target_layers"].contents() == [1, 3]
+    r = run_cli("convert", "drafter", str(d), str(tmp_path / "zlab-ours.gguf"), "--target", str(llama_q))
+    assert r.returncode == 0, r.output
+    f = gguf.GGUFReader(str(tmp_path / "zlab-ours.gguf")).fields
+    assert f["general.architecture"].contents() == "dblast" and f["dblast.target_layers"].contents() == [1, 3]
     r = run_cli("convert", "drafter", str(d), str(tmp_path / "y.gguf"))
     assert r.returncode == 1 and "--target" in r.stderr and r.stderr.strip().count("\n") == 0
 
