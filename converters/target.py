@@ -95,7 +95,9 @@ def run_convert_hf(hf_dir: Path, out: Path, outtype: str, progress: bool = True,
         if progress:
             print(f"  {line.rstrip()}", file=sys.stderr, flush=True)
     if proc.wait() != 0:
-        err = next((ln for ln in reversed(lines) if "Error" in ln or "error" in ln), lines[-1] if lines else "")
+        err = next((ln for ln in reversed(lines) if "Error" in ln or "ERROR" in ln), lines[-1] if lines else "")
+        if err.startswith("ERROR:"):  # logging's "ERROR:hf-to-gguf:message"
+            err = err.split(":", 2)[-1]
         raise BlockspecError(f"convert_hf_to_gguf.py failed on {hf_dir}: {err.strip() or f'exit {proc.returncode}'}")
 
 

@@ -16,7 +16,8 @@ common/speculative.cpp, conversion/qwen.py DFlashModel) and how each is written:
                            draft's own `token_embd` when present. We append one control token
                            "<|blockspec_mask|>" (id = n_vocab) to the copied target tokenizer and
                            write token_embd = [target embeddings; our mask_embedding] ([V+1, H]),
-                           so the block input is exactly ours. A draft with its own token_embd would
+                           so the block input is exactly ours (token_embd follows --outtype:
+                           f32 keeps the target's dequantized rows bit for bit). A draft with its own token_embd would
                            tie its head to it, so `output` is written too: the target's head bytes
                            as they are (or our reduced head), with d2t (I64, absolute target ids,
                            upstream's reduced-vocab scatter) so logits cover V+1 ids and the mask id
