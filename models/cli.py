@@ -2,6 +2,7 @@
 
     blockspec train features --target T.gguf --out CACHE [--sources sharegpt,chitchat] [--n-seqs N]
     blockspec train specblock --target T.gguf --data CACHE --out DIR [--steps N ...]
+    blockspec train specblock --target T.gguf --features on-the-fly --out DIR [--n-seqs N ...]
     blockspec train dblast    --target T.gguf --data CACHE --out DIR [--n-categories 4 --loss al ...]
 
 Every TrainConfig field is an option (`--batch-size`, `--no-target-features`, ...); torch is only
@@ -18,6 +19,7 @@ import click
 from .train import TrainConfig
 
 _HIDDEN = {"method", "target", "out", "data"}
+_CHOICES = {"features": ("cache", "on-the-fly")}
 
 
 def _config_options(fn):
@@ -32,6 +34,9 @@ def _config_options(fn):
                 fn = click.option(f"--{name}", f.name, is_flag=True, default=default)(fn)
             else:
                 fn = click.option(f"--{name}/--no-{name}", f.name, default=default, show_default=True)(fn)
+        elif f.name in _CHOICES:
+            fn = click.option(f"--{name}", f.name, type=click.Choice(_CHOICES[f.name]), default=default,
+                              show_default=True)(fn)
         elif f.type in ("list", list):
             fn = click.option(f"--{name}", f.name, default="", show_default=True,
                               help="comma-separated ints; empty = method default")(fn)
@@ -57,7 +62,8 @@ def train():
 
 
 def _common(fn):
-    fn = click.option("--data", required=True, type=click.Path(), help="feature cache dir (`train features`)")(fn)
+    fn = click.option("--data", default="", type=click.Path(),
+                      help="feature cache dir (`train features`); not used with --features on-the-fly")(fn)
     fn = click.option("--out", required=True, type=click.Path(), help="checkpoint dir (resumed if present)")(fn)
     fn = click.option("--target", required=True, type=click.Path(exists=True), help="target GGUF")(fn)
     return _config_options(fn)

@@ -13,6 +13,14 @@ at most `max_len` tokens (padded; `lengths` gives the real length):
   top_ids  [S, L, k] int32, top_logp [S, L, k] f16: the target's top-k log-probs (T = 1)
 plus meta.json. Building is resumable (finished shards are skipped; the sequence order is
 deterministic) and shows a progress bar.
+
+Feature sources (what the trainer's `get_batch` reads; both give the same arrays for a set of rows):
+  CachedFeatures  the cache above, loaded into memory;
+  OnlineFeatures  token sequences only; the torch target computes each batch's features when it is
+                  drawn, with the same `target_features` the cache builder runs. No disk and no
+                  build step, but every drawn sequence is recomputed each time: on SmolLM2 (batch
+                  4 x 256 tokens, 2-layer SpecBlock) the features took 85% of a step, so a step
+                  costs ~6.7x a cached one on CPU. Worth it for short runs or a fast accelerator.
 """
 
 from __future__ import annotations
@@ -256,6 +264,22 @@ def write_feature_cache(target, token_lists: Iterable[list[int]], out_dir: str |
     return out
 
 
+def training_token_lists(target_path: str | os.PathLike, sources: Sequence[str] = ("sharegpt", "chitchat"),
+                         max_len: int = 384, min_len: int = 32) -> Iterator[list[int]]:
+    """Conversations rendered with the target's chat template and tokenized, in a deterministic
+    order (eval prompts dropped); long ones cut to a `max_len` window, short ones skipped."""
+    tok = ChatTokenizer(target_path)
+    for i, conv in enumerate(iter_conversations(sources)):
+        ids = tok(conv)
+        if len(ids) > max_len:
+            # a deterministic window, so long ShareGPT records contribute assistant text and
+            # not only their prompt; the target sees the window as its whole context
+            off = (i * 7919) % (len(ids) - max_len + 1)
+            ids = ids[off:off + max_len]
+        if len(ids) >= min_len:
+            yield ids
+
+
 def build_feature_cache(target_path: str | os.PathLike, out_dir: str | os.PathLike, layers: Sequence[int],
                         sources: Sequence[str] = ("sharegpt", "chitchat"), n_seqs: int = 2048,
                         max_len: int = 384, min_len: int = 32, shard_size: int = 64, batch_size: int = 4,
@@ -269,21 +293,9 @@ def build_feature_cache(target_path: str | os.PathLike, out_dir: str | os.PathLi
 
     if threads:
         torch.set_num_threads(threads)
-    tok = ChatTokenizer(target_path)
     target = load_target(target_path)
-
-    def seqs():
-        for i, conv in enumerate(iter_conversations(sources)):
-            ids = tok(conv)
-            if len(ids) > max_len:
-                # a deterministic window, so long ShareGPT records contribute assistant text and
-                # not only their prompt; the target sees the window as its whole context
-                off = (i * 7919) % (len(ids) - max_len + 1)
-                ids = ids[off:off + max_len]
-            if len(ids) >= min_len:
-                yield ids
-
-    return write_feature_cache(target, itertools.islice(seqs(), n_seqs), out_dir, layers, max_len,
+    seqs = training_token_lists(target_path, sources, max_len, min_len)
+    return write_feature_cache(target, itertools.islice(seqs, n_seqs), out_dir, layers, max_len,
                                shard_size=shard_size, batch_size=batch_size, total=n_seqs,
                                extra_meta=dict(target=str(target_path), sources=list(sources)))
 
@@ -309,3 +321,103 @@ def load_feature_cache(cache_dir: str | os.PathLike, layers: Sequence[int] | Non
         cols = np.concatenate([np.arange(have.index(lid) * H, (have.index(lid) + 1) * H) for lid in layers])
         data["feats"] = data["feats"][..., cols]
     return meta, data
+
+
+# --- feature sources: what a training batch reads ------------------------------------------------
+
+FEATURE_KEYS = ("tokens", "feats", "greedy", "top_ids", "top_logp")
+
+
+class CachedFeatures:
+    """Sequences and their target features held in memory (a loaded feature cache)."""
+
+    kind = "cache"
+
+    def __init__(self, meta: dict, data: dict):
+        self.meta, self.d = meta, data
+        self.lengths = np.asarray(data["lengths"]).astype(np.int64)
+
+    @classmethod
+    def load(cls, cache_dir: str | os.PathLike, layers: Sequence[int] | None = None) -> "CachedFeatures":
+        return cls(*load_feature_cache(cache_dir, layers))
+
+    def rows(self, idx: np.ndarray) -> dict:
+        """Sequences `idx` [B] -> {tokens [B, S], feats [B, S, F] f16, greedy [B, S],
+        top_ids / top_logp [B, S, k]}, S = the longest of them. Past a row's length the content
+        is unspecified (here: the pad token's values from its build chunk) and never read: a
+        block only sees context up to its anchor and labels before the row's end."""
+        S = int(self.lengths[idx].max())
+        return {k: self.d[k][idx, :S] for k in FEATURE_KEYS}
+
+    def label_counts(self, vocab_size: int) -> np.ndarray:
+        """Token frequencies for the draft vocabulary: the target's greedy tokens."""
+        d = self.d
+        return np.bincount(d["greedy"][d["tokens"] != 0].ravel(), minlength=vocab_size)
+
+
+class OnlineFeatures:
+    """Token sequences whose target features are computed when a batch draws them.
+
+    `rows` runs the torch target (`target_features`, the function the cache builder runs, in
+    chunks of `batch_size` sequences) so its arrays are the cache's for the same sequences, up
+    to f16 rounding of float sums that the chunk shape may reorder (bit-equal in the tests).
+    The torch target, not llama.cpp's taps: on this 2-core CPU, one thread each, SmolLM2 Q4_1,
+    5 tapped layers + all logits + top-8, 4 x 256 tokens, torch (emulate_ggml, fp32) did ~107
+    tokens per CPU-second and llama.cpp ~75-100 (batch of 256, flash attention, taps read per
+    decode); torch also batches several sequences per pass and is what built the cache, so
+    both paths train on the same numbers."""
+
+    kind = "on-the-fly"
+
+    def __init__(self, target, token_lists: Iterable[Sequence[int]], layers: Sequence[int], top_k: int = 8,
+                 batch_size: int = 4, meta: dict | None = None):
+        self.target, self.layers, self.top_k, self.batch_size = target, list(layers), top_k, batch_size
+        self.seqs = [np.asarray(s, dtype=np.int32) for s in token_lists]
+        if not self.seqs:
+            from blockspec.runtime.errors import BlockspecError
+
+            raise BlockspecError("no training sequences for on-the-fly features (empty sources?)")
+        self.lengths = np.array([len(s) for s in self.seqs], np.int64)
+        self.meta = dict(layers=self.layers, max_len=int(self.lengths.max()), dim=target.args.dim,
+                         n_layer=target.args.n_layer, vocab_size=target.args.vocab_size,
+                         features="on-the-fly", **(meta or {}))
+
+    @classmethod
+    def from_text(cls, target, target_path: str | os.PathLike, layers: Sequence[int],
+                  sources: Sequence[str] = ("sharegpt", "chitchat"), n_seqs: int = 2048, max_len: int = 384,
+                  min_len: int = 32, progress: bool = True, **kw) -> "OnlineFeatures":
+        """The sequences `build_feature_cache` would cache (same order, windows and filters)."""
+        import itertools
+
+        from tqdm import tqdm
+
+        it = itertools.islice(training_token_lists(target_path, sources, max_len, min_len), n_seqs)
+        seqs = list(tqdm(it, total=n_seqs, unit="seq", desc="tokenize", disable=not progress))
+        return cls(target, seqs, layers, meta=dict(target=str(target_path), sources=list(sources)), **kw)
+
+    def rows(self, idx: np.ndarray) -> dict:
+        """Same contract as CachedFeatures.rows (zeros past a row's length); a sequence drawn
+        twice is computed once."""
+        import torch
+
+        uniq, inv = np.unique(np.asarray(idx), return_inverse=True)
+        S = int(self.lengths[uniq].max())
+        out = {k: [] for k in FEATURE_KEYS}
+        for i in range(0, len(uniq), self.batch_size):
+            chunk = [self.seqs[j] for j in uniq[i:i + self.batch_size]]
+            L = max(len(s) for s in chunk)
+            toks = np.zeros((len(chunk), L), np.int32)
+            for j, s in enumerate(chunk):
+                toks[j, :len(s)] = s  # right padding: causal, so pads never leak back
+            res = target_features(self.target, torch.from_numpy(toks).long(), self.layers, self.top_k)
+            res["tokens"] = toks
+            real = np.arange(L)[None, :] < np.array([len(s) for s in chunk])[:, None]  # [b, L]
+            for k, v in res.items():
+                v = v * real.reshape(real.shape + (1,) * (v.ndim - 2)).astype(v.dtype)
+                out[k].append(np.pad(v, [(0, 0), (0, S - L)] + [(0, 0)] * (v.ndim - 2)))
+        return {k: np.concatenate(v)[inv] for k, v in out.items()}
+
+    def label_counts(self, vocab_size: int) -> np.ndarray:
+        """Token frequencies for the draft vocabulary: the text's tokens (the target's greedy
+        tokens are not known before training without a pass over all sequences)."""
+        return np.bincount(np.concatenate(self.seqs).astype(np.int64), minlength=vocab_size)

@@ -48,6 +48,28 @@ def block_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, valid: torch
     return loss, keep
 
 
+def cross_block_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, shift: int,
+                              prefix_mask: bool = True, decay_gamma: float | None = None):
+    """Cross-entropy of the cross-block term (SpecBlock's block-level training-time test).
+
+    Block 1 is anchored at t and drafts x[t+2..t+1+P] from the target's conditioning c[t]. Block 2
+    is anchored at t + shift (1 <= shift <= P; shift = P chains the blocks end to end): its last
+    token is the text's x[t+shift+1] (teacher forcing, as for block 1), its conditioning is block
+    1's final state at slot shift-1 (the state that drafted x[t+shift+1]) instead of
+    c[t+shift], which does not exist when block 2 is drafted, and it predicts x[t+shift+2 ..].
+    `labels`/`valid` [..., shift + P] are the span from position t+1 on (the same rows block 1's
+    [..., :P] come from); block 2 scores [..., shift:shift+P] of them. Its own valid-prefix mask
+    applies inside it; it is not gated on block 1 being right (as in the paper's code: a drafter
+    that chains blocks at serving time does so exactly when block 1 is uncertain).
+    logits [..., P, V] of block 2. Returns (mean loss over kept positions, kept mask [..., P])."""
+    P = logits.shape[-2]
+    if not 1 <= shift <= P or labels.shape[-1] < shift + P:
+        raise ValueError(f"cross-block shift {shift} needs 1 <= shift <= {P} and {shift + P} labels "
+                         f"(got {labels.shape[-1]})")
+    return block_cross_entropy(logits, labels[..., shift:shift + P], valid[..., shift:shift + P],
+                               prefix_mask, decay_gamma)
+
+
 def rank_bucket_cross_entropy(rank_logits: torch.Tensor, buckets: torch.Tensor, keep: torch.Tensor):
     """Rank-head cross-entropy on the positions the verifier reaches. rank_logits [..., P, nb],
     buckets [..., P] (see specblock.rank_bucket_labels), keep [..., P] bool."""

@@ -92,10 +92,13 @@ class SpecBlock(BlockDrafter):
         return F.pad(x, (0, 0, 1, 0))[:, :, :-1]
 
     def forward(self, feats: torch.Tensor, anchors: torch.Tensor, last_tokens: torch.Tensor,
-                cache: DraftCache | None = None, cond_override: torch.Tensor | None = None) -> SpecBlockOutput:
+                cache: DraftCache | None = None, cond_override: torch.Tensor | None = None,
+                ctx_end: torch.Tensor | None = None) -> SpecBlockOutput:
         """feats [B, S, F]: target states of context positions (the new ones when `cache` is given;
         S may be 0); anchors [B, N] absolute context positions; last_tokens [B, N] = x[anchor+1];
-        cond_override [B, N, H]: use these instead of c[anchor] (cross-block training)."""
+        cond_override [B, N, H]: use these instead of c[anchor] (cross-block training);
+        ctx_end [B, N]: the last context position each block may attend to (default: its anchor;
+        a cross-block block anchored past the target's features sees only those that exist)."""
         a = self.args
         B, N = anchors.shape
         K, H = a.block_size, a.dim
@@ -108,7 +111,7 @@ class SpecBlock(BlockDrafter):
         x = self.in_proj(torch.cat([c, self.embed(last_tokens)], dim=-1))  # [B, N, H]
         x = x[:, :, None, :] + self.pos_query  # [B, N, K, H] prefix broadcast + position queries
         pos = (anchors[..., None] + 1 + torch.arange(K, device=anchors.device)).reshape(B, N * K)
-        mask = block_mask(anchors, S, K, causal=True)
+        mask = block_mask(anchors if ctx_end is None else ctx_end, S, K, causal=True)
         for i, layer in enumerate(self.layers):
             if i > 0:
                 x = self.shift[i - 1](torch.cat([x, self.shift_prev(x)], dim=-1))

@@ -1,10 +1,25 @@
 """Training loop for the block drafters, readable top to bottom: config -> data -> get_batch ->
 loss -> step -> estimate_acceptance -> checkpoint.
 
-Data come from a feature cache (models/data.py). One batch = `batch_size` sequences x
-`anchors_per_seq` blocks, all blocks of a row packed in one drafter pass (drafter.block_mask).
-Labels are the TARGET's greedy tokens (`greedy` in the cache), not the text's tokens: the drafter
-must predict what the target would say, which is what verification accepts.
+Data come from a feature source (models/data.py): the feature cache (`--features cache --data
+DIR`), or the torch target run on each batch's sequences as it is drawn (`--features on-the-fly`,
+no cache; the same ShareGPT/chitchat text the cache builder reads). Both fill the same batch in
+`Batches.get_batch`. One batch = `batch_size` sequences x `anchors_per_seq` blocks, all blocks of a
+row packed in one drafter pass (drafter.block_mask). Labels are the TARGET's greedy tokens
+(`greedy`), not the text's tokens: the drafter must predict what the target would say, which is
+what verification accepts.
+
+Cross-block training (SpecBlock, `cross_block_weight` > 0; off by default). For every block
+anchored at t, a second block is anchored at t + m (m = `cross_block_shift`, 0 = the block size:
+blocks chained end to end) and fed:
+  conditioning  block 1's final-normed state at slot m-1 (the state that drafted x[t+m+1]), with
+                its gradient, instead of the target's c[t+m] (those features do not exist yet
+                when a drafter chains blocks without a target pass);
+  last token    the text's x[t+m+1] (teacher forcing, as block 1's x[t+1]);
+  context       the target's features up to t only (drafter ctx_end), the same block 1 saw;
+  positions     t+m+1 .. t+m+K (rope), labels the target's greedy tokens x[t+m+2 ..].
+Its loss (losses.cross_block_cross_entropy: CE with its own valid-prefix mask, plus the rank
+head's CE and the distillation term when on) is added with weight `cross_block_weight`.
 
 Checkpoint (out dir): `drafter.safetensors` (drafter weights only; the target's embeddings/head
 are never saved), `drafter.json` {model_args, config, step, history} (enough to rebuild the model
@@ -29,7 +44,11 @@ class TrainConfig:
     method: str = "specblock"            # specblock | dblast
     target: str = ""                     # GGUF of the target
     out: str = ""                        # checkpoint directory
-    data: str = ""                       # feature cache directory
+    data: str = ""                       # feature cache directory (features = cache)
+    features: str = "cache"              # cache | on-the-fly (torch target per batch, no cache)
+    sources: str = "sharegpt,chitchat"   # on-the-fly: text sources
+    n_seqs: int = 2048                   # on-the-fly: sequences (the cache builder's default)
+    max_len: int = 384                   # on-the-fly: tokens per sequence window
     n_layer: int = 2
     block_size: int = 0                  # 0: the method's default (specblock K=4, dblast B=5)
     draft_vocab_size: int = 8192         # 0: share the target's head
@@ -43,6 +62,8 @@ class TrainConfig:
     prefix_mask: bool = True
     rank_weight: float = 0.1
     distill_weight: float = 0.0
+    cross_block_weight: float = 0.0      # SpecBlock cross-block term (0: off, the plain recipe)
+    cross_block_shift: int = 0           # block 2 anchor offset m in 1..K (0: K, chained blocks)
     no_target_features: bool = False     # baseline: zero the target features
     steps: int = 1000
     batch_size: int = 8
@@ -62,6 +83,34 @@ class TrainConfig:
     resume: bool = True
 
 
+FEATURE_SOURCES = ("cache", "on-the-fly")
+DEFAULT_BLOCK = {"specblock": 4, "dblast": 5}  # K / B when --block-size is 0
+
+
+def check_config(c: TrainConfig) -> None:
+    """One clear line for an option combination that cannot work (before anything loads)."""
+    from blockspec.runtime.errors import BlockspecError
+
+    if c.method not in DEFAULT_BLOCK:
+        raise BlockspecError(f"unknown drafter method {c.method!r} (known: {', '.join(DEFAULT_BLOCK)})")
+    block_size = c.block_size or DEFAULT_BLOCK[c.method]
+    if c.features not in FEATURE_SOURCES:
+        raise BlockspecError(f"--features {c.features!r}: expected one of {', '.join(FEATURE_SOURCES)}")
+    if c.features == "cache" and not c.data:
+        raise BlockspecError("--features cache needs --data DIR (a cache from `blockspec train features`)")
+    if c.cross_block_weight:
+        if c.method != "specblock":
+            raise BlockspecError(f"--cross-block-weight: cross-block training is SpecBlock's, not {c.method}'s")
+        if not 0 <= c.cross_block_shift <= block_size:
+            raise BlockspecError(f"--cross-block-shift {c.cross_block_shift}: expected 0..{block_size} "
+                                 f"(0 = the block size)")
+
+
+def cross_block_shift(c: TrainConfig, block_size: int) -> int:
+    """The anchor offset m of the cross-block term (0 when the term is off)."""
+    return (c.cross_block_shift or block_size) if c.cross_block_weight else 0
+
+
 def get_lr(step: int, c: TrainConfig) -> float:
     """Linear warmup, then cosine decay to min_lr."""
     if step < c.warmup:
@@ -74,9 +123,9 @@ def method_defaults(method: str, n_layer_target: int) -> dict:
     from .common import default_layers
 
     if method == "specblock":
-        return dict(block_size=4, target_layers=default_layers(n_layer_target, 3))
+        return dict(block_size=DEFAULT_BLOCK[method], target_layers=default_layers(n_layer_target, 3))
     if method == "dblast":
-        return dict(block_size=5, target_layers=default_layers(n_layer_target, 5))
+        return dict(block_size=DEFAULT_BLOCK[method], target_layers=default_layers(n_layer_target, 5))
     raise ValueError(f"unknown drafter method {method!r} (known: specblock, dblast)")
 
 
@@ -92,28 +141,36 @@ def make_model_args(c: TrainConfig, target_args) -> dict:
     )
 
 
-class Batches:
-    """Random blocks from the feature cache; the last `heldout_frac` of sequences is held out."""
+SPAN_KEYS = ("labels", "data_next", "valid", "top_ids", "top_logp")  # [B, N, span, ...]
 
-    def __init__(self, data: dict, n_predict: int, heldout_frac: float, seed: int):
-        self.d = data
+
+class Batches:
+    """Random blocks from a feature source (data.CachedFeatures or data.OnlineFeatures); the last
+    `heldout_frac` of sequences is held out."""
+
+    def __init__(self, source, n_predict: int, heldout_frac: float, seed: int):
+        self.src = source
         self.P = n_predict
-        n = len(data["lengths"])
+        n = len(source.lengths)
         n_held = max(1, int(round(n * heldout_frac))) if n > 1 else 0
         self.split = {"train": np.arange(0, n - n_held), "heldout": np.arange(n - n_held, n)}
         if len(self.split["train"]) == 0:
             self.split["train"] = self.split["heldout"]
         self.rng = np.random.default_rng(seed)
 
-    def get_batch(self, split: str, batch_size: int, anchors: int, rng: np.random.Generator | None = None):
+    def get_batch(self, split: str, batch_size: int, anchors: int, rng: np.random.Generator | None = None,
+                  span: int | None = None):
         """-> dict of torch tensors: feats [B, S, F], anchors [B, N], last [B, N], labels /
-        data_next / valid [B, N, P], top_ids / top_logp [B, N, P, k]."""
+        data_next / valid [B, N, span], top_ids / top_logp [B, N, span, k]. `span` (default: the
+        block's P) label positions from anchor+1 on; a longer span carries the cross-block
+        block's labels too, and never changes which rows and anchors are drawn."""
         import torch
 
         rng = rng or self.rng
-        d, P = self.d, self.P
+        P = span or self.P
         rows = rng.choice(self.split[split], size=batch_size)
-        lengths = d["lengths"][rows]
+        lengths = self.src.lengths[rows]
+        d = self.src.rows(rows)  # [B, S, ...], S = lengths.max()
         S = int(lengths.max())
         # anchor t needs x[t+1] and at least one label greedy[t+1]; positions past the end are invalid
         hi = np.maximum(lengths - 2, 0)
@@ -122,11 +179,11 @@ class Batches:
         pos = anc[..., None] + 1 + j  # [B, N, P] index of the target position predicting each label
         valid = pos < lengths[:, None, None] - 1
         pos_c = np.minimum(pos, S - 1)
-        r = rows[:, None, None]
+        r = np.arange(batch_size)[:, None, None]
         out = dict(
-            feats=torch.from_numpy(d["feats"][rows, :S].astype(np.float32)),
+            feats=torch.from_numpy(d["feats"].astype(np.float32)),
             anchors=torch.from_numpy(anc).long(),
-            last=torch.from_numpy(d["tokens"][rows[:, None], anc + 1]).long(),
+            last=torch.from_numpy(d["tokens"][r[..., 0], anc + 1]).long(),
             labels=torch.from_numpy(d["greedy"][r, pos_c]).long(),
             data_next=torch.from_numpy(d["tokens"][r, np.minimum(pos_c + 1, S - 1)]).long(),
             valid=torch.from_numpy(valid),
@@ -134,6 +191,11 @@ class Batches:
             top_logp=torch.from_numpy(d["top_logp"][r, pos_c].astype(np.float32)),
         )
         return out
+
+
+def block_view(b: dict, start: int, P: int) -> dict:
+    """The batch as seen by the block whose labels are span positions start .. start+P-1."""
+    return {k: (v[:, :, start:start + P] if k in SPAN_KEYS else v) for k, v in b.items()}
 
 
 def accepted_lengths(draft: "torch.Tensor", labels, data_next, valid):  # noqa: F821
@@ -158,62 +220,119 @@ def draft_greedy(model, b):
         logits = out.logits.gather(2, z[:, :, None, None, None].expand(-1, -1, 1, *out.logits.shape[3:]))[:, :, 0]
     else:
         logits = out.logits
-    return model.vocab.to_target(logits.argmax(-1))
+    return model.vocab.to_target(logits.argmax(-1)), out
+
+
+def cross_block_forward(model, b, out, m: int):
+    """SpecBlock's second block, anchored m after the first (see the module docstring): b is
+    the full-span batch, out the first block's output. -> SpecBlockOutput of block 2."""
+    return model(b["feats"], b["anchors"] + m, b["data_next"][:, :, m - 1],
+                 cond_override=out.hidden[:, :, m - 1], ctx_end=b["anchors"])
 
 
 def estimate_acceptance(model, batches: Batches, c: TrainConfig, n_batches: int | None = None) -> dict:
     """Offline acceptance estimate on the held-out split: mean over blocks of `accepted_lengths`
     (expected accepted prefix of a greedy block against the target's greedy tokens), with a fixed
-    seed so successive estimates see the same blocks. Also the per-position match rate."""
+    seed so successive estimates see the same blocks. Also the per-position match rate, and with
+    cross-block training the same two figures for the chained block (`xb_`)."""
     import torch
 
+    P = model.args.n_predict
+    m = cross_block_shift(c, P)
     rng = np.random.default_rng(12345)
     acc, match, n = 0.0, None, 0
+    xacc, xmatch, xn = 0.0, torch.zeros(P), 0
     was = model.training
     model.eval()
     with torch.no_grad():
         for _ in range(n_batches or c.eval_batches):
-            b = batches.get_batch("heldout", c.batch_size, c.anchors_per_seq, rng)
+            bs = batches.get_batch("heldout", c.batch_size, c.anchors_per_seq, rng, span=m + P)
             if c.no_target_features:
-                b["feats"].zero_()
-            draft = draft_greedy(model, b)
+                bs["feats"].zero_()
+            b = block_view(bs, 0, P)
+            draft, out = draft_greedy(model, b)
             a = accepted_lengths(draft, b["labels"], b["data_next"], b["valid"])
             ok = b["valid"][..., 0]
             acc += float(a[ok].sum())
-            m = ((draft == b["labels"]) & b["valid"]).float().sum((0, 1))
-            match = m if match is None else match + m
+            mt = ((draft == b["labels"]) & b["valid"]).float().sum((0, 1))
+            match = mt if match is None else match + mt
             n += int(ok.sum())
+            if m:
+                b2 = block_view(bs, m, P)
+                draft2 = model.vocab.to_target(cross_block_forward(model, bs, out, m).logits.argmax(-1))
+                ok2 = b2["valid"][..., 0]
+                xacc += float(accepted_lengths(draft2, b2["labels"], b2["data_next"], b2["valid"])[ok2].sum())
+                xmatch += ((draft2 == b2["labels"]) & b2["valid"]).float().sum((0, 1))
+                xn += int(ok2.sum())
     model.train(was)
-    return dict(accept=acc / max(1, n), blocks=n, match_per_pos=(match / max(1, n)).tolist())
+    res = dict(accept=acc / max(1, n), blocks=n, match_per_pos=(match / max(1, n)).tolist())
+    if m:
+        res.update(xb_accept=xacc / max(1, xn), xb_blocks=xn, xb_match_per_pos=(xmatch / max(1, xn)).tolist())
+    return res
 
 
-def compute_loss(model, b, c: TrainConfig):
-    import torch
-
+def specblock_terms(model, out, b, c: TrainConfig, shift: int = 0) -> dict:
+    """Unweighted loss terms {ce, rank[, kd]} of one SpecBlock block. b: the full-span batch;
+    shift 0: block 1 (labels [:P]), shift m: the cross-block block anchored m later (labels
+    [m:m+P], losses.cross_block_cross_entropy)."""
     from . import losses
     from .specblock import rank_bucket_labels
 
-    a = model.args
+    P = model.args.n_predict
     labels_d = model.vocab.t2d(b["labels"])  # draft ids, -1 outside the draft vocabulary
-    valid = b["valid"]
+    gamma = c.decay_gamma or None
+    if shift:
+        ce, keep = losses.cross_block_cross_entropy(out.logits, labels_d, b["valid"], shift, c.prefix_mask, gamma)
+    else:
+        ce, keep = losses.block_cross_entropy(out.logits, labels_d[:, :, :P], b["valid"][:, :, :P], c.prefix_mask,
+                                              gamma)
+    lab = labels_d[:, :, shift:shift + P]
+    buckets = rank_bucket_labels(out.logits.detach(), lab, model.args.rank_widths)
+    terms = dict(ce=ce, rank=losses.rank_bucket_cross_entropy(out.rank_logits, buckets, keep))
+    if c.distill_weight:
+        v = block_view(b, shift, P)
+        terms["kd"] = losses.distill_kl(out.logits, model.vocab.t2d(v["top_ids"]), v["top_logp"], keep,
+                                        c.temperature)
+    return terms
+
+
+def loss_terms(model, b, c: TrainConfig):
+    """Weighted loss terms {name: scalar tensor} of a batch (their sum is the training loss) and
+    the logits [B, N, P, V] of block 1's greedy draft (for the train-time acceptance)."""
+    import torch
+
+    from . import losses
+
+    a = model.args
+    P = a.n_predict
+    b1 = block_view(b, 0, P)
     parts = {}
     if a.model_type == "specblock":
-        out = model(b["feats"], b["anchors"], b["last"])
-        ce, keep = losses.block_cross_entropy(out.logits, labels_d, valid, c.prefix_mask, c.decay_gamma or None)
-        parts["ce"] = ce
-        buckets = rank_bucket_labels(out.logits.detach(), labels_d, a.rank_widths)
-        parts["rank"] = c.rank_weight * losses.rank_bucket_cross_entropy(out.rank_logits, buckets, keep)
+        out = model(b1["feats"], b1["anchors"], b1["last"])
+        t = specblock_terms(model, out, b, c)
+        parts["ce"] = t["ce"]
+        parts["rank"] = c.rank_weight * t["rank"]
         if c.distill_weight:
-            parts["kd"] = c.distill_weight * losses.distill_kl(
-                out.logits, model.vocab.t2d(b["top_ids"]), b["top_logp"], keep, c.temperature)
+            parts["kd"] = c.distill_weight * t["kd"]
+        m = cross_block_shift(c, P)
+        if m:
+            out2 = cross_block_forward(model, b, out, m)
+            t2 = specblock_terms(model, out2, b, c, shift=m)
+            w = c.cross_block_weight
+            parts["xb_ce"] = w * t2["ce"]
+            parts["xb_rank"] = w * c.rank_weight * t2["rank"]
+            if c.distill_weight:
+                parts["xb_kd"] = w * c.distill_weight * t2["kd"]
         metric_logits = out.logits
     else:
-        out = model(b["feats"], b["anchors"], b["last"])
+        labels_d = model.vocab.t2d(b1["labels"])
+        valid = b1["valid"]
+        out = model(b1["feats"], b1["anchors"], b1["last"])
         lq = losses.gather_logp(out.logits, labels_d[:, :, None, :].expand(out.logits.shape[:-1]))
         if c.loss == "al":
             # log p_T(label): the target's top-k log-probs at temperature T (greedy label = top-1)
-            lp_t = torch.log_softmax(b["top_logp"] / c.temperature, -1)
-            hit = b["top_ids"] == b["labels"][..., None]
+            lp_t = torch.log_softmax(b1["top_logp"] / c.temperature, -1)
+            hit = b1["top_ids"] == b1["labels"][..., None]
             lp = torch.where(hit, lp_t, torch.full_like(lp_t, -30.0)).max(-1).values
             parts["al"] = losses.acceptance_surrogate(lq, lp, valid, c.tau, out.prior_logits)
             if c.nll_weight:
@@ -222,10 +341,19 @@ def compute_loss(model, b, c: TrainConfig):
             parts["nll"] = losses.mixture_nll(out.logits, out.prior_logits, labels_d, valid)
         z = out.prior_logits.argmax(-1)
         metric_logits = out.logits.gather(2, z[:, :, None, None, None].expand(-1, -1, 1, *out.logits.shape[3:]))[:, :, 0]
+    return parts, metric_logits
+
+
+def compute_loss(model, b, c: TrainConfig):
+    """-> (loss, {term: float}, train-time acceptance of block 1)."""
+    import torch
+
+    parts, metric_logits = loss_terms(model, b, c)
     loss = sum(parts.values())
+    b1 = block_view(b, 0, model.args.n_predict)
     with torch.no_grad():
         draft = model.vocab.to_target(metric_logits.argmax(-1))
-        acc = accepted_lengths(draft, b["labels"], b["data_next"], valid).float().mean()
+        acc = accepted_lengths(draft, b1["labels"], b1["data_next"], b1["valid"]).float().mean()
     return loss, {k: float(v.detach()) for k, v in parts.items()}, float(acc)
 
 
@@ -260,16 +388,28 @@ def load_drafter(ckpt_dir: str | os.PathLike, target=None):
     return model, meta
 
 
-def train(c: TrainConfig, target=None, progress: bool = True) -> dict:
+def feature_source(c: TrainConfig, target, layers):
+    """The batch source `c.features` names: the cache in c.data, or on-the-fly features of the
+    text the cache builder would read."""
+    from . import data
+
+    if c.features == "cache":
+        return data.CachedFeatures.load(c.data, layers)
+    return data.OnlineFeatures.from_text(target, c.target, layers, sources=[s for s in c.sources.split(",") if s],
+                                         n_seqs=c.n_seqs, max_len=c.max_len)
+
+
+def train(c: TrainConfig, target=None, progress: bool = True, source=None) -> dict:
     """Train a drafter per `c`; returns the final held-out estimate. Resumes from c.out if a
-    checkpoint is there (and c.resume)."""
+    checkpoint is there (and c.resume). `source`: a feature source to use instead of the one
+    `c.features` names (tests: on-the-fly features of given token lists)."""
     import torch
     from tqdm import tqdm
 
     from . import build_model
-    from .data import load_feature_cache
     from .target import load_target
 
+    check_config(c if source is None else dataclasses.replace(c, features=source.kind, data=c.data or "-"))
     if c.threads:
         torch.set_num_threads(c.threads)
     torch.manual_seed(c.seed)
@@ -277,12 +417,13 @@ def train(c: TrainConfig, target=None, progress: bool = True) -> dict:
     if target is None:
         target = load_target(c.target)
     margs = make_model_args(c, target.args)
-    meta, data = load_feature_cache(c.data, margs["target_layers"])
+    if source is None:
+        source = feature_source(c, target, margs["target_layers"])
     model = build_model(margs)
     model.bind_target(target.tok_embeddings.weight, target.head_weight)
     if margs["draft_vocab_size"]:
-        # frequency-based draft vocabulary from the training labels (the target's own tokens)
-        counts = np.bincount(data["greedy"][data["tokens"] != 0].ravel(), minlength=margs["vocab_size"])
+        # frequency-based draft vocabulary: the training labels (cache) or the text (on-the-fly)
+        counts = source.label_counts(margs["vocab_size"])
         d2t = torch.from_numpy(np.argsort(-counts, kind="stable")[: margs["draft_vocab_size"]].copy())
         model.vocab.set_vocab(d2t, target.head_weight)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=c.lr,
@@ -297,16 +438,19 @@ def train(c: TrainConfig, target=None, progress: bool = True) -> dict:
         opt.load_state_dict(st["optimizer"])
         step, history = prev["step"], prev.get("history", [])
         print(f"resumed from {out} at step {step}")
-    batches = Batches(data, model.args.n_predict, c.heldout_frac, c.seed + step)
+    batches = Batches(source, model.args.n_predict, c.heldout_frac, c.seed + step)
+    span = cross_block_shift(c, model.args.n_predict) + model.args.n_predict
     model.train()
     bar = tqdm(total=c.steps, initial=step, desc=f"train {c.method}", disable=not progress)
-    t0, tok = time.time(), 0
+    t0, tok, t_data = time.time(), 0, 0.0
     last_eval = None
     while step < c.steps:
         lr = get_lr(step, c)
         for g in opt.param_groups:
             g["lr"] = lr
-        b = batches.get_batch("train", c.batch_size, c.anchors_per_seq)
+        td = time.time()
+        b = batches.get_batch("train", c.batch_size, c.anchors_per_seq, span=span)
+        t_data += time.time() - td
         if c.no_target_features:
             b["feats"].zero_()
         loss, parts, acc = compute_loss(model, b, c)
@@ -316,12 +460,13 @@ def train(c: TrainConfig, target=None, progress: bool = True) -> dict:
             torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip)
         opt.step()
         step += 1
-        tok += int(b["valid"].sum())
+        tok += int(b["valid"][:, :, :model.args.n_predict].sum())
         bar.update(1)
         if step % c.log_every == 0 or step == c.steps:
             rate = tok / max(1e-6, time.time() - t0)
-            msg = dict(step=step, loss=round(float(loss), 4), lr=round(lr, 6), train_accept=round(acc, 3),
-                       tok_per_s=round(rate, 1), **{k: round(v, 4) for k, v in parts.items()})
+            msg = dict(step=step, loss=round(float(loss.detach()), 4), lr=round(lr, 6), train_accept=round(acc, 3),
+                       tok_per_s=round(rate, 1), data_frac=round(t_data / max(1e-6, time.time() - t0), 3),
+                       **{k: round(v, 4) for k, v in parts.items()})
             print(json.dumps(msg), flush=True)
         if step % c.eval_every == 0 or step == c.steps:
             last_eval = estimate_acceptance(model, batches, c)
