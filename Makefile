@@ -11,7 +11,7 @@ PIP    := $(PY) -m pip
 BACKEND ?= cpu
 PROMPT ?= Explain in three sentences why the sky is blue.
 
-.PHONY: setup build deps demo test test-heavy clean train-smollm2
+.PHONY: setup build deps demo test test-heavy clean train-smollm2 cuda-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,11 @@ test-heavy: setup
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache
+
+# Compile-only check of the CUDA code our patches add or change (nvcc, no GPU needed; only those
+# objects, not all of ggml-cuda). CUDA_ARCH=89 by default. See ggml_patches/cuda_check.sh.
+cuda-check:
+	bash ggml_patches/cuda_check.sh
 
 # Real drafter training for the bundled SmolLM2-135M (torch reference, CPU, resumable: rerun
 # to continue). Feature cache from ShareGPT + chitchat, then SpecBlock and DBlast with and
