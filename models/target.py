@@ -2,9 +2,23 @@
 
 It gives the drafters' training data: logits and the hidden states of chosen layers. Weights are
 dequantized with the gguf package, so the torch model computes on exactly the (quantized) weights
-llama.cpp uses; only activation rounding differs (llama.cpp quantizes activations to q8 for its
-quantized matmuls). Hidden states follow llama.cpp's tap convention: state L is the INPUT of
+llama.cpp uses. Hidden states follow llama.cpp's tap convention: state L is the INPUT of
 layer L (L = 0: token embeddings; L = n_layer: output of the last layer, before the final norm).
+
+What llama.cpp's CPU backend computes (AVX2/FMA/F16C build, flash attention on, batches < 64 rows
+under GGML_BATCH_INVARIANT, i.e. what runtime/target.py runs), and how `load_target` follows it:
+- a quantized matmul quantizes each activation row to the weight's vec_dot_type per 32-block
+  (Q4_1 -> q8_1: d = amax/127 stored f16, q = round-half-even(x * (127/amax)), s = f16(d * sum q));
+  a Q4_1 x q8_1 block dot is d_w*d_x*sum(q_w*q_x) + m_w*s, accumulated with FMA in 8 lanes;
+- flash attention converts Q, K, V to f16, takes the K.Q dot in f32 (ggml_vec_dot_f16) and keeps
+  the running V sum in an f16 accumulator (online softmax, one key at a time, expf in f32);
+- RMSNorm sums squares in double, rope takes cos/sin of f32 angles (theta *= theta_scale) from
+  libm and FMA-contracts its rotation, SwiGLU uses ggml's vectorised expf.
+`emulate_ggml=True` (default) reproduces the roundings that are cheap to reproduce (q8 rounding of
+activations incl. the q8_1 block sums, f16 Q/K/V, exact norms, rope and SwiGLU) on torch's fast
+matmuls; `exact=True` also reproduces the kernels' accumulation order (block-wise FMA dot products,
+the f16 online-softmax accumulator), so that layer states match llama.cpp's bit for bit on the
+bundled SmolLM2 Q4_1 (slow: for parity checks, not for feature extraction).
 
 Rope: llama.cpp rotates adjacent pairs ("normal" mode) for llama and halves (NEOX) for qwen2/qwen3,
 on Q/K as stored in the GGUF (convert_hf_to_gguf permuted llama's Q/K rows for that layout), so the
@@ -23,39 +37,334 @@ from torch import nn
 
 from .common import MLP, RMSNorm, apply_rope, args_from_dict, attention, rope_cos_sin
 
-# GGUF weight type -> (block, scale dtype) of the q8 format llama.cpp's CPU matmul quantizes the
-# activations to before the dot product (ggml's vec_dot_type); None: activations stay float.
-_ACT_QUANT = {"Q4_0": (32, torch.float16), "Q4_1": (32, torch.float16), "Q5_0": (32, torch.float16),
-              "Q5_1": (32, torch.float16), "Q8_0": (32, torch.float16), "IQ4_NL": (32, torch.float16),
-              "Q2_K": (256, torch.float32), "Q3_K": (256, torch.float32), "Q4_K": (256, torch.float32),
-              "Q5_K": (256, torch.float32), "Q6_K": (256, torch.float32), "IQ4_XS": (256, torch.float32)}
+# --- llama.cpp CPU rounding (emulate_ggml) ----------------------------------------------------------
+
+# GGUF weight type -> ggml's vec_dot_type: what the CPU matmul quantizes its activations to.
+_VEC_DOT_TYPE = {"F16": "f16", "BF16": "bf16", "Q8_0": "q8_0", "Q4_0": "q8_0", "Q5_0": "q8_0",
+                 "IQ4_NL": "q8_0", "Q4_1": "q8_1", "Q5_1": "q8_1", "Q2_K": "q8_K", "Q3_K": "q8_K",
+                 "Q4_K": "q8_K", "Q5_K": "q8_K", "Q6_K": "q8_K", "IQ4_XS": "q8_K"}
 
 
-def fake_quant_q8(x: torch.Tensor, block: int, scale_dtype: torch.dtype) -> torch.Tensor:
-    """Round x [..., n] the way ggml quantizes activations to q8_0/q8_1/q8_K: per block of `block`
-    values, d = max|x| / 127 (stored in scale_dtype), q = round(x / d), x' = q * d."""
-    shape = x.shape
-    xb = x.float().reshape(*shape[:-1], shape[-1] // block, block)
+def _fma_exact(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    # f32 products are exact in f64, so one f64 add then one rounding to f32 is an FMA
+    return (a.double() * b.double() + c.double()).float()
+
+
+_ADDCMUL_IS_FMA: bool | None = None
+
+
+def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """fma(a, b, c) = round_f32(a*b + c) as the AVX2 kernels compute it. torch's CPU addcmul is fused
+    on x86 builds (checked once); otherwise the f64 route (4x slower) gives the same bits."""
+    global _ADDCMUL_IS_FMA
+    if _ADDCMUL_IS_FMA is None:
+        g = torch.Generator().manual_seed(0)
+        x, y, z = (torch.randn(4096, generator=g) for _ in range(3))
+        _ADDCMUL_IS_FMA = bool(torch.equal(torch.addcmul(z, x, y), _fma_exact(x, y, z)))
+    return torch.addcmul(c, a, b) if _ADDCMUL_IS_FMA else _fma_exact(a, b, c)
+
+
+def _f32_div(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    # IEEE division (torch turns `tensor / python scalar` and `scalar / tensor` into reciprocal
+    # multiplies, which round differently from the C division ggml does)
+    return torch.div(a, b)
+
+
+def _q8_blocks(x: torch.Tensor, block: int = 32):
+    """ggml's AVX2 quantize_row_q8_0/q8_1 on float32 x [..., n]: per block, d = amax/127 (f32),
+    q = round-half-even(x * (127/amax)). Returns q [..., n/block, block] (integers as f32), d."""
+    xb = x.unflatten(-1, (-1, block))
     amax = xb.abs().amax(-1, keepdim=True)
-    d = amax / 127.0
-    q = torch.round(xb * torch.where(d > 0, 1.0 / d, torch.zeros_like(d)))
-    return (q * d.to(scale_dtype).float()).reshape(shape).to(x.dtype)
+    c127 = torch.full_like(amax, 127.0)
+    q = torch.round(xb * torch.where(amax > 0, _f32_div(c127, amax), torch.zeros_like(amax)))
+    return q, _f32_div(amax, c127)[..., 0]
+
+
+def ggml_round_activations(x: torch.Tensor, kind: str):
+    """x float32 [..., n] -> (x as the matmul sees it, s-correction or None).
+
+    For q8_1 the dot with a weight block's min m uses s = f16(d * sum q), not f16(d) * sum q; the
+    returned correction [..., n/32] = s - f16(d) * sum q is what to add times the block mins."""
+    if kind == "f16":
+        return x.half().float(), None
+    if kind == "bf16":
+        return x.bfloat16().float(), None
+    if kind == "q8_K":  # 256-blocks, f32 scale (approximate: the K-quant dots are not reproduced)
+        q, d = _q8_blocks(x, 256)
+        return (q * d[..., None]).flatten(-2), None
+    q, d = _q8_blocks(x)
+    d16 = d.half().float()
+    xq = (q * d16[..., None]).flatten(-2)
+    if kind == "q8_0":
+        return xq, None
+    sq = q.sum(-1)
+    return xq, (d * sq).half().float() - d16 * sq
+
+
+def fake_quant_q8(x: torch.Tensor, block: int = 32, scale_dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """Round x [..., n] the way ggml quantizes activations to q8_0/q8_1 (block 32, f16 scale) or
+    q8_K (block 256, f32 scale) and dequantize again."""
+    q, d = _q8_blocks(x.float(), block)
+    return (q * d.to(scale_dtype).float()[..., None]).flatten(-2).to(x.dtype)
+
+
+def _q4_1_blocks(t) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw Q4_1 GGUF tensor -> (q*d [out, in] exact in f32, mins m [out, in/32])."""
+    raw = np.asarray(t.data, dtype=np.uint8).reshape(-1, 20)  # block: d f16, m f16, 16 bytes of nibbles
+    n_out, n_in = int(t.shape[1]), int(t.shape[0])
+    d = raw[:, 0:2].copy().view(np.float16).astype(np.float32)
+    m = raw[:, 2:4].copy().view(np.float16).astype(np.float32)
+    qs = raw[:, 4:20]
+    q = np.concatenate([qs & 15, qs >> 4], axis=1).astype(np.float32)  # low nibbles = elements 0..15
+    return (torch.from_numpy((q * d).reshape(n_out, n_in)),
+            torch.from_numpy(np.ascontiguousarray(m.reshape(n_out, n_in // 32))))
+
+
+def _block_mins(t) -> torch.Tensor:
+    """Per-block mins m [out, in/32] of a Q4_1/Q5_1 tensor (both start with d f16, m f16)."""
+    import gguf
+
+    _, type_size = gguf.GGML_QUANT_SIZES[t.tensor_type]
+    raw = np.asarray(t.data, dtype=np.uint8).reshape(-1, type_size)
+    m = raw[:, 2:4].copy().view(np.float16).astype(np.float32)
+    return torch.from_numpy(np.ascontiguousarray(m.reshape(int(t.shape[1]), int(t.shape[0]) // 32)))
+
+
+def _dot_q4_1_q8_1(x: torch.Tensor, wqd: torch.Tensor, mins: torch.Tensor, chunk: int = 16) -> torch.Tensor:
+    """x [N, n_in] f32 @ a Q4_1 weight, bit for bit as ggml_vec_dot_q4_1_q8_1 (AVX2): per 32-block b,
+    lane l (elements 4l..4l+3) accumulates acc_l = fma(d_w*d_x, sum_k q_w*q_x, acc_l) over blocks;
+    result = hsum(acc) + sum_b m_b*s_b (scalar FMA loop). wqd [n_out, n_in] = q_w*d_w (exact)."""
+    n, n_in = x.shape
+    n_out, nb = mins.shape
+    q, d = _q8_blocks(x)
+    d16 = d.half().float()
+    s = (d * q.sum(-1)).half().float()  # [N, nb]
+    # d_w * (lane integer dot) is exact in f32 (11 + 13 bits), and so is every partial sum of it, so
+    # one fma(d_x, that, acc) equals the kernel's fma(d_w*d_x, dot, acc)
+    wg = wqd.view(n_out, nb * 8, 4).permute(1, 2, 0).contiguous()  # [nb*8, 4, n_out]
+    qg = q.reshape(n, nb * 8, 4).permute(1, 0, 2).contiguous()      # [nb*8, N, 4]
+    d16t, st = d16.t().contiguous(), s.t().contiguous()             # [nb, N]
+    out = torch.empty(n, n_out)
+    for r0 in range(0, n, chunk):
+        r1 = min(n, r0 + chunk)
+        xy = torch.bmm(qg[:, r0:r1], wg).view(nb, 8, r1 - r0, n_out)
+        acc = torch.zeros(8, r1 - r0, n_out)
+        summs = torch.zeros(r1 - r0, n_out)
+        for b in range(nb):
+            acc = _fma(d16t[b, r0:r1, None], xy[b], acc)
+            summs = _fma(st[b, r0:r1, None], mins[None, :, b], summs)
+        h = acc[4:] + acc[:4]  # hsum_float_8
+        out[r0:r1] = ((h[0] + h[2]) + (h[1] + h[3])) + summs
+    return out
 
 
 class QLinear(nn.Linear):
-    """nn.Linear that, when `act_quant` is set, rounds its input as llama.cpp does for a quantized
-    weight (emulate_ggml mode); otherwise a plain linear."""
+    """nn.Linear that, under emulate_ggml, rounds its input as llama.cpp's CPU matmul does for its
+    weight type (`vec_dot`), adding the q8_1 block-sum correction times the weight's block `mins`
+    (Q4_1/Q5_1); with `exact_wqd` (Q4_1 and exact=True) it reproduces the kernel's dot bit for bit."""
 
-    act_quant: tuple | None = None
+    vec_dot: str | None = None
+    mins: torch.Tensor | None = None
+    exact_wqd: torch.Tensor | None = None
 
     def forward(self, x):
-        if self.act_quant is not None:
-            x = fake_quant_q8(x, *self.act_quant)
-        return super().forward(x)
+        if self.vec_dot is None:
+            return super().forward(x)
+        xf = x.float()
+        if self.exact_wqd is not None:
+            out = _dot_q4_1_q8_1(xf.reshape(-1, xf.shape[-1]), self.exact_wqd, self.mins)
+            out = out.view(*xf.shape[:-1], -1)
+        else:
+            xq, s_corr = ggml_round_activations(xf, self.vec_dot)
+            out = xq @ self.weight.float().T
+            if s_corr is not None and self.mins is not None:
+                out = out + s_corr @ self.mins.T
+        if self.bias is not None:
+            out = out + self.bias.float()
+        return out.to(x.dtype)
 
 
-def _f16(x: torch.Tensor, on: bool) -> torch.Tensor:
-    return x.to(torch.float16).to(x.dtype) if on else x
+class GgmlRMSNorm(RMSNorm):
+    """ggml_rms_norm (+ mul): sum of f32 squares in double, scale = 1.0f/sqrtf(mean + eps) in f32
+    (sqrt taken in double: torch's f32 sqrt is not correctly rounded), y = (x*scale)*w."""
+
+    emulate = False
+
+    def forward(self, x):
+        if not self.emulate:
+            return super().forward(x)
+        xf = x.float()
+        ss = (xf * xf).double().sum(-1, keepdim=True)
+        mean = _f32_div(ss, torch.full_like(ss, x.shape[-1])).float()
+        scale = _f32_div(torch.ones_like(mean), (mean + torch.tensor(self.eps, dtype=torch.float32)).double().sqrt().float())
+        return ((xf * scale) * self.weight.float()).to(x.dtype)
+
+
+_LIBM = None
+
+
+def _libm_cos_sin(theta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """cosf/sinf from the C library ggml links (its results differ from correctly rounded ones in
+    ~0.6% of cases); correctly rounded f64 values where no libm is found."""
+    global _LIBM
+    if _LIBM is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            lib = ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6")
+            for f in ("cosf", "sinf"):
+                getattr(lib, f).restype = ctypes.c_float
+                getattr(lib, f).argtypes = [ctypes.c_float]
+            _LIBM = lib
+        except OSError:
+            _LIBM = False
+    if _LIBM is False:
+        t = theta.astype(np.float64)
+        return np.cos(t).astype(np.float32), np.sin(t).astype(np.float32)
+    return (np.frompyfunc(_LIBM.cosf, 1, 1)(theta).astype(np.float32),
+            np.frompyfunc(_LIBM.sinf, 1, 1)(theta).astype(np.float32))
+
+
+_ROPE_CACHE: dict = {}
+
+
+def ggml_rope_cos_sin(positions: torch.Tensor, head_dim: int, base: float):
+    """ggml_rope_cache_init: theta_0 = pos, theta_{i+1} = theta_i * powf(base, -2/d) in f32 ->
+    cos/sin [..., T, d/2] (f32), for integer positions >= 0 (a table up to the largest is cached)."""
+    n_pos = int(positions.max()) + 1 if positions.numel() else 1
+    key = (head_dim, float(base))
+    table = _ROPE_CACHE.get(key)
+    if table is None or table[0].shape[0] < n_pos:
+        n = max(n_pos, 512)
+        ts = np.float32(np.power(np.float64(base), -2.0 / head_dim))
+        theta = np.empty((n, head_dim // 2), np.float32)
+        t = np.arange(n, dtype=np.float32)
+        for i in range(head_dim // 2):
+            theta[:, i] = t
+            t = (t * ts).astype(np.float32)
+        c, s = _libm_cos_sin(theta)
+        table = _ROPE_CACHE[key] = (torch.from_numpy(c), torch.from_numpy(s))
+    idx = positions.long()
+    return table[0][idx], table[1][idx]
+
+
+def ggml_apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool) -> torch.Tensor:
+    """ggml's rotate_pairs as GCC contracts it: y0 = fma(x0, cos, -(x1*sin)), y1 = fma(x0, sin, x1*cos).
+    x [B, H, T, D] f32, cos/sin [B or 1, T, D/2]."""
+    c, s = cos[:, None], sin[:, None]
+    if neox:
+        x0, x1 = x.chunk(2, dim=-1)
+        return torch.cat([_fma(x0, c, -(x1 * s)), _fma(x0, s, x1 * c)], dim=-1)
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    return torch.stack([_fma(x0, c, -(x1 * s)), _fma(x0, s, x1 * c)], dim=-1).flatten(-2)
+
+
+def _bits_to_f32(i: torch.Tensor) -> torch.Tensor:
+    i = i & 0xFFFFFFFF
+    return torch.where(i >= 2**31, i - 2**32, i).to(torch.int32).view(torch.float32)
+
+
+def _hexf(v: str) -> torch.Tensor:
+    return torch.tensor(float.fromhex(v), dtype=torch.float32)
+
+
+def ggml_v_expf(x: torch.Tensor) -> torch.Tensor:
+    """ggml's AVX2 ggml_v_expf (vec.h), step for step, on float32 x."""
+    r = _hexf("0x1.8p23")
+    z = _fma(x, _hexf("0x1.715476p+0"), r)
+    n = z - r
+    b = _fma(-n, _hexf("0x1.7f7d1cp-20"), _fma(-n, _hexf("0x1.62e4p-1"), x))
+    e = z.view(torch.int32).to(torch.int64) << 23
+    k = _bits_to_f32(e + 0x3F800000)
+    u = b * b
+    j = _fma(_fma(_fma(_hexf("0x1.0e4020p-7"), b, _hexf("0x1.573e2ep-5")), u,
+                  _fma(_hexf("0x1.555e66p-3"), b, _hexf("0x1.fffdb6p-2"))), u, _hexf("0x1.ffffecp-1") * b)
+    out = _fma(j, k, k)
+    c = n.abs() > 126
+    if bool(c.any()):  # |x| > ~87: ggml's overflow/underflow branch
+        g = torch.where(n <= 0, 0x82000000, 0).to(torch.int64)
+        s1 = _bits_to_f32(g + 0x7F000000)
+        s2 = _bits_to_f32(e - g)
+        out = torch.where(n.abs() > 192, s1 * s1, torch.where(c, _fma(s2, j, s2) * s1, out))
+    return out
+
+
+class GgmlMLP(MLP):
+    """MLP whose SwiGLU is ggml_vec_swiglu_f32: silu(g) = g / (1 + ggml_v_expf(-g)), times up."""
+
+    emulate = False
+
+    def forward(self, x):
+        if not self.emulate:
+            return super().forward(x)
+        g = self.gate_proj(x).float()
+        u = self.up_proj(x).float()
+        act = _f32_div(g, 1.0 + ggml_v_expf(0.0 - g)) * u
+        return self.down_proj(act.to(x.dtype))
+
+
+def _dot_f16_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """ggml_vec_dot_f16 (AVX2: 4 accumulators of 8 f32 lanes, then GGML_F32x8_REDUCE) over the last
+    dim of broadcastable a, b holding f16 values as f32."""
+    p = a * b  # f16 x f16 products are exact in f32
+    dim = p.shape[-1]
+    n32 = dim - dim % 32
+    acc = p[..., :32]
+    for i in range(32, n32, 32):
+        acc = acc + p[..., i:i + 32]  # fma with an exact product = one rounded add
+    acc = acc.unflatten(-1, (4, 8))
+    x0 = (acc[..., 0, :] + acc[..., 2, :]) + (acc[..., 1, :] + acc[..., 3, :])
+    t0 = x0[..., :4] + x0[..., 4:]
+    res = (t0[..., 0] + t0[..., 1]) + (t0[..., 2] + t0[..., 3])
+    if n32 < dim:  # leftovers are added in double
+        res = (res.double() + p[..., n32:].double().sum(-1)).float()
+    return res
+
+
+def ggml_flash_attn(q, k, v, scale: float) -> torch.Tensor:
+    """ggml's CPU flash attention (one_chunk path: fewer than 64 query rows per batch, f16 K/V cache),
+    causal by index. q [B, Hq, T, D] f32, k/v [B, Hkv, T, D] -> [B, T, Hq*D].
+    Keys are visited in order; a new maximum rescales the f16 accumulator, each key adds v*expf(s-M)
+    with an FMA rounded to f16; the row sum S is kept in f32."""
+    B, Hq, T, D = q.shape
+    rep = Hq // k.shape[1]
+    qh, kh, vh = q.half().float(), k.half().float(), v.half().float()
+    out = torch.empty(B, Hq, T, D)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    for bi in range(B):
+        s = torch.empty(Hq, T, T)
+        for h in range(Hq):
+            for r0 in range(0, T, 64):  # [64, T, D] products at a time
+                s[h, r0:r0 + 64] = _dot_f16_rows(qh[bi, h, r0:r0 + 64, None], kh[bi, h // rep][None]) * scale
+        s = s.masked_fill(~causal, float("-inf"))
+        vv = vh[bi].repeat_interleave(rep, 0)  # [Hq, T, D]
+        M = torch.full((Hq, T), float("-inf"))
+        S = torch.zeros(Hq, T)
+        acc = torch.zeros(Hq, T, D)
+        for j in range(T):  # key j is seen by queries j..T-1
+            sj, Mo = s[:, j:, j], M[:, j:]
+            new = sj > Mo
+            ms = torch.where(new, (Mo - sj).double().exp().float(), torch.ones_like(sj))
+            vs = torch.where(new, torch.ones_like(sj), (sj - Mo).double().exp().float())
+            a = acc[:, j:]
+            a = torch.where(new[..., None], (a * ms[..., None]).half().float(), a)
+            acc[:, j:] = _fma(vv[:, j:j + 1], vs[..., None], a).half().float()
+            S[:, j:] = _fma(S[:, j:], ms, vs)
+            M[:, j:] = torch.maximum(Mo, sj)
+        out[bi] = acc * _f32_div(torch.ones_like(S), S)[..., None]
+    return out.transpose(1, 2).flatten(2)
+
+
+def ggml_attention_fast(q, k, v, mask, scale: float) -> torch.Tensor:
+    """The cheap part of ggml's flash attention: f16 Q/K/V, f32 scores and softmax."""
+    n_rep = q.shape[1] // k.shape[1]
+    qh = q.half().float()
+    kh = k.half().float().repeat_interleave(n_rep, dim=1)
+    vh = v.half().float().repeat_interleave(n_rep, dim=1)
+    att = (qh @ kh.transpose(-1, -2)) * scale
+    att = att.masked_fill(~mask, float("-inf")).softmax(-1)
+    return (att @ vh).transpose(1, 2).flatten(2)
 
 
 # arch -> (rope NEOX?, q/k/v bias?, per-head q/k RMSNorm?)
@@ -99,9 +408,10 @@ class Attention(nn.Module):
         self.wk = QLinear(a.dim, a.n_kv_head * a.head_dim, bias=feat["qkv_bias"])
         self.wv = QLinear(a.dim, a.n_kv_head * a.head_dim, bias=feat["qkv_bias"])
         self.wo = QLinear(a.n_head * a.head_dim, a.dim, bias=False)
-        self.emulate_f16_kv = False
-        self.q_norm = RMSNorm(a.head_dim, a.norm_eps) if feat["qk_norm"] else None
-        self.k_norm = RMSNorm(a.head_dim, a.norm_eps) if feat["qk_norm"] else None
+        self.q_norm = GgmlRMSNorm(a.head_dim, a.norm_eps) if feat["qk_norm"] else None
+        self.k_norm = GgmlRMSNorm(a.head_dim, a.norm_eps) if feat["qk_norm"] else None
+        self.emulate = False  # emulate_ggml: ggml rope and f16 flash attention
+        self.exact = False    # exact: ggml_flash_attn's accumulation order too
 
     def forward(self, x, cos, sin, mask):
         B, T, _ = x.shape
@@ -111,31 +421,28 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, T, a.n_kv_head, a.head_dim)
         if self.q_norm is not None:  # qwen3: per-head RMSNorm before rope
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), cos, sin, a.neox)  # [B, Hq, T, D]
-        k = apply_rope(k.transpose(1, 2), cos, sin, a.neox)
-        if self.emulate_f16_kv:
-            return self.wo(self._attention_ggml(q, k, v.transpose(1, 2), mask))
-        return self.wo(attention(q, k, v.transpose(1, 2), mask))
-
-    @staticmethod
-    def _attention_ggml(q, k, v, mask):
-        """llama.cpp's CPU attention without flash-attn: K/V live in an f16 cache, Q is rounded to
-        f16 for the K*Q matmul, and the softmax output to f16 for the V matmul."""
-        n_rep = q.shape[1] // k.shape[1]
-        k = _f16(k, True).repeat_interleave(n_rep, dim=1)
-        v = _f16(v, True).repeat_interleave(n_rep, dim=1)
-        att = (_f16(q, True) @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
-        att = att.masked_fill(~mask, float("-inf")).softmax(-1)
-        return (_f16(att, True) @ v).transpose(1, 2).flatten(2)
+        if not self.emulate:
+            q = apply_rope(q.transpose(1, 2), cos, sin, a.neox)  # [B, Hq, T, D]
+            k = apply_rope(k.transpose(1, 2), cos, sin, a.neox)
+            return self.wo(attention(q, k, v.transpose(1, 2), mask))
+        q = ggml_apply_rope(q.transpose(1, 2).float(), cos, sin, a.neox)
+        k = ggml_apply_rope(k.transpose(1, 2).float(), cos, sin, a.neox)
+        v = v.transpose(1, 2).float()
+        scale = float(np.float32(1.0) / np.sqrt(np.float32(a.head_dim)))  # llama.cpp's kq_scale
+        if self.exact:
+            o = ggml_flash_attn(q, k, v, scale)
+        else:
+            o = ggml_attention_fast(q, k, v, mask, scale)
+        return self.wo(o.to(x.dtype))
 
 
 class Block(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
-        self.attn_norm = RMSNorm(a.dim, a.norm_eps)
+        self.attn_norm = GgmlRMSNorm(a.dim, a.norm_eps)
         self.attn = Attention(a)
-        self.ffn_norm = RMSNorm(a.dim, a.norm_eps)
-        self.ffn = MLP(a.dim, a.ffn_dim, linear=QLinear)
+        self.ffn_norm = GgmlRMSNorm(a.dim, a.norm_eps)
+        self.ffn = GgmlMLP(a.dim, a.ffn_dim, linear=QLinear)
 
     def forward(self, x, cos, sin, mask):
         x = x + self.attn(self.attn_norm(x), cos, sin, mask)
@@ -148,9 +455,10 @@ class TargetModel(nn.Module):
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layer))
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.norm = GgmlRMSNorm(args.dim, args.norm_eps)
         self.output = None if args.tied_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
-        self.head_act_quant: tuple | None = None  # emulate_ggml: q8 rounding before the LM head
+        self.head_vec_dot: str | None = None  # emulate_ggml: how the LM head's matmul rounds its input
+        self.emulate_rope = False
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -160,9 +468,11 @@ class TargetModel(nn.Module):
     def logits(self, h_last: torch.Tensor) -> torch.Tensor:
         """Logits from state n_layer (output of the last layer, before the final norm)."""
         x = self.norm(h_last)
-        if self.head_act_quant is not None:
-            x = fake_quant_q8(x, *self.head_act_quant)
-        return x @ self.head_weight.T
+        if self.head_vec_dot is None:
+            return x @ self.head_weight.T
+        # the head's dot products are left to torch's matmul (f32 summation order: ~1e-6 of a logit)
+        xq, _ = ggml_round_activations(x.float(), self.head_vec_dot)
+        return (xq @ self.head_weight.float().T).to(x.dtype)
 
     def forward(self, tokens: torch.Tensor, layers: Sequence[int] = (), positions: torch.Tensor | None = None,
                 return_logits: bool = True, logits_last_only: bool = False):
@@ -171,7 +481,8 @@ class TargetModel(nn.Module):
         B, T = tokens.shape
         if positions is None:
             positions = torch.arange(T, device=tokens.device).expand(B, T)
-        cos, sin = rope_cos_sin(positions, self.args.head_dim, self.args.rope_base)
+        rope = ggml_rope_cos_sin if self.emulate_rope else rope_cos_sin
+        cos, sin = rope(positions, self.args.head_dim, self.args.rope_base)
         mask = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()[None, None]
         want = set(layers)
         states: dict[int, torch.Tensor] = {}
@@ -253,19 +564,25 @@ def dequantize_tensor(t) -> np.ndarray:
 
 
 def load_target(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
-                emulate_ggml: bool = True) -> TargetModel:
+                emulate_ggml: bool = True, exact: bool = False) -> TargetModel:
     """Load a llama/qwen2/qwen3 GGUF into a frozen TargetModel (eval mode).
 
-    emulate_ggml: also reproduce llama.cpp's CPU rounding (q8 activations in quantized matmuls, f16
-    KV cache and attention operands). Costs a few elementwise ops; brings top-1 agreement with
-    llama.cpp's logits from ~95% to >99% on SmolLM2 Q4_1, where many positions are near-ties."""
+    emulate_ggml: also reproduce llama.cpp's CPU rounding where it is cheap (q8 activations of the
+    quantized matmuls with the q8_1 block sums, f16 Q/K/V in flash attention, ggml's RMSNorm, rope
+    table and SwiGLU); the matmuls and the softmax stay torch's.
+    exact: reproduce the CPU kernels bit for bit as well (Q4_1 block dot products in their FMA
+    order, flash attention's f16 online-softmax accumulator): the reference for parity with what
+    the runtime computes, ~100x slower than the default. Weights of other types than Q4_1 keep the
+    emulate_ggml rounding."""
     import gguf
 
+    if exact and not emulate_ggml:
+        raise ValueError("exact=True needs emulate_ggml=True")
     reader = gguf.GGUFReader(str(path))
     args = read_gguf_args(reader)
     with torch.device("meta"):
         model = TargetModel(args)
-    state, qtypes = {}, {}
+    state, tensors = {}, {}
     for t in reader.tensors:
         if t.name in ("rope_freqs.weight",):
             raise ValueError(f"{path}: rope scaling tensor {t.name} is not supported")
@@ -274,20 +591,28 @@ def load_target(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
         except KeyError:
             raise ValueError(f"{path}: unexpected tensor {t.name!r} for arch {args.arch}") from None
         state[name] = torch.from_numpy(dequantize_tensor(t)).to(dtype)
-        qtypes[name] = t.tensor_type.name
+        tensors[name] = t
     missing = set(model.state_dict()) - set(state)
     if missing:
         raise ValueError(f"{path}: tensors missing for arch {args.arch}: {sorted(missing)[:5]}")
     model.load_state_dict(state, assign=True)
     model.requires_grad_(False)
     if emulate_ggml:
+        model.emulate_rope = True
         for name, mod in model.named_modules():
-            if isinstance(mod, QLinear):
-                mod.act_quant = _ACT_QUANT.get(qtypes.get(name + ".weight"))
-            if isinstance(mod, Attention):
-                mod.emulate_f16_kv = True
+            if isinstance(mod, (GgmlRMSNorm, GgmlMLP)):
+                mod.emulate = True
+            elif isinstance(mod, Attention):
+                mod.emulate, mod.exact = True, exact
+            elif isinstance(mod, QLinear):
+                t = tensors[name + ".weight"]
+                mod.vec_dot = _VEC_DOT_TYPE.get(t.tensor_type.name)
+                if mod.vec_dot == "q8_1":
+                    mod.mins = _block_mins(t)
+                if exact and t.tensor_type.name == "Q4_1":
+                    mod.exact_wqd, mod.mins = _q4_1_blocks(t)
         head = "tok_embeddings.weight" if args.tied_embeddings else "output.weight"
-        model.head_act_quant = _ACT_QUANT.get(qtypes[head])
+        model.head_vec_dot = _VEC_DOT_TYPE.get(tensors[head].tensor_type.name)
     return model.eval()
 
 
