@@ -18,8 +18,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 gguf = pytest.importorskip("gguf")
-transformers = pytest.importorskip("transformers")
-spm = pytest.importorskip("sentencepiece")
 
 from blockspec.runtime.errors import BlockspecError  # noqa: E402
 from blockspec.runtime.target import Target, TargetConfig  # noqa: E402
@@ -52,6 +50,7 @@ def run_cli(*args: str):
 
 
 def _spm_model() -> bytes:
+    spm = pytest.importorskip("sentencepiece")  # the `convert` extra; BlockPilot tests run without it
     buf = io.BytesIO()
     spm.SentencePieceTrainer.train(sentence_iterator=iter(TEXT), model_writer=buf, vocab_size=VOCAB, model_type="bpe",
                                    byte_fallback=True, character_coverage=1.0, bos_id=1, eos_id=2, unk_id=0,
@@ -62,6 +61,7 @@ def _spm_model() -> bytes:
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
     """{"qwen3": dir, "llama": dir}: random HF checkpoints (safetensors) with a local tokenizer."""
+    transformers = pytest.importorskip("transformers")
     root = tmp_path_factory.mktemp("hf")
     tok = _spm_model()
     out = {}
@@ -76,6 +76,8 @@ def hf_dirs(tmp_path_factory):
 
 
 def _hf_logits(d) -> np.ndarray:
+    import transformers
+
     m = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     with torch.no_grad():
         return m(torch.tensor([TOKENS])).logits[0].numpy()
