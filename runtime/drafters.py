@@ -124,8 +124,9 @@ def make_drafter(method: str, drafter_path: str | None = None, backend: str | No
         if backend is None:
             backend = "ggml" if str(drafter_path).endswith(".gguf") else "torch"
         if backend == "ggml":
-            raise BlockspecError(f"--method {method}: the ggml drafter backend is not available yet "
-                                 "(use a torch checkpoint dir with --drafter-backend torch)")
+            from blockspec.runtime.drafters_ggml import make_ggml_drafter
+
+            return make_ggml_drafter(method, drafter_path, block_size=block_size, branches=branches)
         if backend != "torch":
             raise BlockspecError(f"unknown drafter backend {backend!r} (torch or ggml)")
         from blockspec.runtime.drafters_torch import make_torch_drafter

@@ -63,6 +63,13 @@ blockspec_memory_pack_tail = _bind(
     "blockspec_memory_pack_tail", [_ctx_p, ctypes.c_int32, ctypes.c_int32], ctypes.c_int32)
 
 
+# int64_t blockspec_get_graph_output(struct llama_context * ctx, const char * name, float * dst, int64_t n_max);
+# (patch 0006: a drafter graph's named outputs, e.g. specblock's "draft_logits", "rank_logits")
+blockspec_get_graph_output = _bind(
+    "blockspec_get_graph_output", [_ctx_p, ctypes.c_char_p, ctypes.POINTER(ctypes.c_float), ctypes.c_int64],
+    ctypes.c_int64)
+
+
 def check_abi() -> int:
     """The library's ABI level; raises if the library is unpatched or too old."""
     abi = blockspec_ext_abi()

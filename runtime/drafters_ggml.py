@@ -1,0 +1,388 @@
+"""Block drafters run inside llama.cpp from a drafter GGUF (ggml_patches/0006, arch `specblock`).
+
+The drafter is a second llama.cpp context whose `ctx_other` is the target's context: it borrows
+the target's token embeddings (and its LM head when the GGUF has no reduced draft vocabulary).
+Its KV cache is the drafter cache of models/drafter.py: one row per committed position holding
+every layer's context K/V, projected from the conditioning c = cond_norm(fc(target taps)).
+
+  observe(tokens, start, feats)  one *feature batch* (embeddings only, width n_feat * n_embd,
+                                 positions start..): writes the new rows' K/V; trim(n) = seq_rm.
+  propose(history)               one *block batch* of K rows at positions t+1..t+K, each row
+                                 carrying token x[t+1] = history[-1] and the anchor's features
+                                 (t = len(history) - 2, the last observed position); the graph's
+                                 outputs "draft_logits" [K, Vd] and "rank_logits" [K, n_buckets]
+                                 are read with blockspec_get_graph_output, then the block's own
+                                 cache rows are removed again.
+
+Drafts are deterministic (q = None), as in the torch backend (runtime/drafters_torch.py), so the
+engine's sample-and-match acceptance stays lossless for any tree the drafter picks.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import heapq
+import os
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from blockspec.runtime.drafters import Drafter
+from blockspec.runtime.errors import BlockspecError
+from blockspec.runtime.tree import DraftTree
+
+MAIN_SEQ = 0
+_KV_TYPES = {"f32": 0, "f16": 1}  # ggml_type ids for the drafter's KV cache
+
+
+def _raw():
+    from llama_cpp import llama_cpp
+
+    return llama_cpp
+
+
+def _load_error() -> str:
+    """llama.cpp's reason for a failed model load (the line naming the bad key or tensor)."""
+    from blockspec.runtime.target import _LOG_STATE, _last_llama_error
+
+    for e in _LOG_STATE["errors"]:
+        if "error loading model" in e:
+            return e.split("error loading model: ")[-1]
+    return _last_llama_error()
+
+
+_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value type -> bytes
+
+
+def gguf_architecture(path: str | os.PathLike) -> str | None:
+    """general.architecture of a GGUF from its header alone (a full GGUFReader parses every
+    tokenizer string of a target: seconds); None if the file is not a GGUF."""
+    import struct
+
+    with open(path, "rb") as f:
+        head = f.read(24)
+        if len(head) < 24 or head[:4] != b"GGUF":
+            return None
+        n_kv = struct.unpack("<Q", head[16:24])[0]
+
+        def rstr():
+            (n,) = struct.unpack("<Q", f.read(8))
+            return f.read(n)
+
+        def skip(vtype):
+            if vtype == 8:
+                rstr()
+            elif vtype == 9:
+                itype, n = struct.unpack("<IQ", f.read(12))
+                if itype in _SCALAR:
+                    f.seek(_SCALAR[itype] * n, 1)
+                else:
+                    for _ in range(n):
+                        skip(itype)
+            else:
+                f.seek(_SCALAR[vtype], 1)
+
+        for _ in range(n_kv):
+            key = rstr()
+            (vtype,) = struct.unpack("<I", f.read(4))
+            if key == b"general.architecture" and vtype == 8:
+                return rstr().decode("utf-8", "replace")
+            skip(vtype)
+    return None
+
+
+def read_drafter_header(path: str | os.PathLike) -> dict:
+    """The drafter GGUF's hyperparameters (its model_args), `meta` for the pairing check
+    (converters/drafter.py read_drafter_meta), and `d2t` (absolute target ids, or None)."""
+    import gguf
+
+    from blockspec.converters.drafter import read_drafter_meta
+    from blockspec.converters.keys import ARCHS
+
+    p = Path(path)
+    if not p.is_file():
+        raise BlockspecError(f"drafter GGUF {p} does not exist")
+    arch = gguf_architecture(p)  # before any full read: a target GGUF takes seconds to parse
+    if arch not in ARCHS:
+        what = "not a GGUF file" if arch is None else f"a {arch!r} GGUF"
+        raise BlockspecError(f"{p} is {what}, not a blockspec drafter ({' or '.join(ARCHS)})")
+    meta = read_drafter_meta(p)
+    h = dict(meta["model_args"], arch=arch, path=str(p), meta=meta)
+    d2t = None
+    if h["draft_vocab_size"]:
+        t = next((t for t in gguf.GGUFReader(str(p)).tensors if t.name == "d2t"), None)
+        if t is None:
+            raise BlockspecError(f"{p}: draft_vocab_size {h['draft_vocab_size']} but no d2t tensor")
+        d2t = np.array(t.data, dtype=np.int64).reshape(-1)
+        if d2t.shape[0] != h["draft_vocab_size"] or d2t.min() < 0 or d2t.max() >= h["vocab_size"]:
+            raise BlockspecError(f"{p}: d2t does not map {h['draft_vocab_size']} draft ids into the "
+                                 f"target vocabulary of {h['vocab_size']}")
+    h["d2t"] = d2t
+    return h
+
+
+class GgmlBlockDrafter(Drafter):
+    """The context half shared by ggml block drafters: model, drafter context, feature rows."""
+
+    backend = "ggml"
+
+    def __init__(self, path: str | os.PathLike, block_size: int | None = None, n_ctx: int | None = None,
+                 n_threads: int | None = None, kv_type: str = "f16", flash_attn: bool = False):
+        from blockspec.runtime.target import _LOG_STATE, _install_log_callback, safe_extra_bufts
+
+        self.header = h = read_drafter_header(path)
+        self.path = h["path"]
+        self.name = h["arch"]
+        self.target_layers = tuple(h["target_layers"])
+        self.n_predict = h["block_size"]
+        self.block_size = self.n_predict if block_size is None else max(1, min(int(block_size), self.n_predict))
+        self.n_feat = len(self.target_layers) * h["target_dim"]
+        self.d2t = h["d2t"]
+        if kv_type not in _KV_TYPES:
+            raise ValueError(f"kv_type must be one of {', '.join(_KV_TYPES)}")
+        self._opts = dict(n_ctx=n_ctx, n_threads=n_threads, kv_type=kv_type, flash_attn=flash_attn)
+
+        ll = _raw()
+        _install_log_callback(False)
+        mp = ll.llama_model_default_params()
+        mp.n_gpu_layers = -1
+        mp.use_extra_bufts = safe_extra_bufts()
+        self._ctx = None
+        self._batch = None
+        _LOG_STATE["errors"] = []
+        self._model = ll.llama_model_load_from_file(self.path.encode(), mp)
+        if not self._model:
+            raise BlockspecError(f"llama.cpp could not load drafter {self.path}: {_load_error()}")
+        self._target = None
+        self.tokens: list[int] = []           # token at each cached position
+        self._feats = np.zeros((0, self.n_feat), dtype=np.float32)  # feature rows of those positions
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        ll = _raw()
+        if self._batch is not None:
+            ll.llama_batch_ext_free(self._batch)
+            self._batch = None
+        if self._ctx is not None:
+            ll.llama_free(self._ctx)
+            self._ctx = None
+        if getattr(self, "_model", None) is not None:
+            ll.llama_model_free(self._model)
+            self._model = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    # ------------------------------------------------------------------ target binding
+    def check_target(self, target) -> None:
+        """Refuse a target this drafter was not made for (vocabulary, width, layers, tokenizer,
+        arch: converters/drafter.py check_pairing), then open the drafter context on it."""
+        from blockspec.converters.drafter import check_pairing, target_fingerprint
+
+        check_pairing(self.header["meta"], target_fingerprint(target.path))
+        self._bind(target)
+
+    def _bind(self, target) -> None:
+        if self._target is target and self._ctx is not None:
+            return
+        from blockspec.runtime.target import _last_llama_error
+
+        ll = _raw()
+        if self._ctx is not None:
+            ll.llama_batch_ext_free(self._batch)
+            ll.llama_free(self._ctx)
+            self._ctx = self._batch = None
+        o = self._opts
+        cp = ll.llama_context_default_params()
+        cp.n_ctx = int(o["n_ctx"] or target.n_ctx) + self.n_predict
+        cp.n_batch = cp.n_ubatch = 512
+        cp.n_seq_max = 1
+        threads = o["n_threads"] or getattr(target, "n_threads", None) or int(os.environ.get("BLOCKSPEC_THREADS", 0)) or 1
+        cp.n_threads = cp.n_threads_batch = int(threads)
+        cp.type_k = cp.type_v = _KV_TYPES[o["kv_type"]]
+        cp.flash_attn_type = 1 if o["flash_attn"] else 0
+        cp.ctx_other = target.ctx
+        self._ctx = ll.llama_init_from_model(self._model, cp)
+        if not self._ctx:
+            raise BlockspecError(f"llama.cpp could not create a drafter context for {self.path}: "
+                                 f"{_last_llama_error()}")
+        self._batch = ll.llama_batch_ext_init(self._ctx)
+        self._n_batch = cp.n_batch
+        self._target = target
+        self.tokens = []
+        self._feats = self._feats[:0]
+
+    # ------------------------------------------------------------------ context
+    def held_prefix(self, tokens) -> int:
+        k = 0
+        for a, b in zip(tokens, self.tokens):
+            if a != b:
+                break
+            k += 1
+        return k
+
+    def trim(self, n: int) -> None:
+        if n < len(self.tokens):
+            if self._ctx is not None:
+                ll = _raw()
+                ll.llama_memory_seq_rm(ll.llama_get_memory(self._ctx), MAIN_SEQ, n, -1)
+            del self.tokens[n:]
+            self._feats = self._feats[:n]
+
+    def observe(self, tokens: Sequence[int], start: int, feats: dict[int, np.ndarray] | None) -> None:
+        if self._ctx is None:
+            raise RuntimeError(f"{self.name} drafter: check_target(target) first (it needs the target's context)")
+        if start > len(self.tokens):
+            raise RuntimeError(f"{self.name} drafter: rows from position {start} observed but it holds only "
+                               f"{len(self.tokens)} (the drafter must see every committed row)")
+        if feats is None or any(lid not in feats for lid in self.target_layers):
+            raise RuntimeError(f"{self.name} drafter needs taps of target layers {list(self.target_layers)}")
+        self.trim(start)
+        x = np.ascontiguousarray(np.concatenate(
+            [np.asarray(feats[lid], dtype=np.float32) for lid in self.target_layers], axis=-1))
+        if x.shape[0] != len(tokens):
+            raise RuntimeError(f"{self.name} drafter: {len(tokens)} tokens but {x.shape[0]} feature rows")
+        for i in range(0, len(tokens), self._n_batch):
+            self._process_features(x[i:i + self._n_batch], start + i)
+        self.tokens.extend(int(t) for t in tokens)
+        self._feats = np.concatenate([self._feats, x]) if len(self._feats) else x.copy()
+
+    def _process_features(self, x: np.ndarray, p0: int) -> None:
+        ll = _raw()
+        b = self._batch
+        ll.llama_batch_ext_clear(b)
+        pos = (ctypes.c_int32 * 4)()
+        for i in range(x.shape[0]):
+            row = x[i]
+            idx = ll.llama_batch_ext_add_embd(b, MAIN_SEQ, ll.llama_embd(
+                row.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), 1, self.n_feat))
+            if idx < 0:
+                raise RuntimeError(f"{self.name} drafter: llama_batch_ext_add_embd failed ({idx})")
+            pos[0] = p0 + i
+            ll.llama_batch_ext_set_pos(b, idx, pos)
+        rc = ll.llama_process(self._ctx, ll.LLAMA_PROCESS_TYPE_DECODE, b)
+        if rc != 0:
+            raise RuntimeError(f"{self.name} drafter: feature batch at positions {p0}.. failed ({rc})")
+
+    def _anchor(self, history: Sequence[int]) -> int:
+        t = len(history) - 2
+        if len(self.tokens) != t + 1 or list(history[:t + 1]) != self.tokens:
+            raise RuntimeError(f"{self.name} drafter out of step: it holds {len(self.tokens)} rows, "
+                               f"the history has {t + 1} committed tokens")
+        return t
+
+    def _run_block(self, t: int, last_token: int, n_rows: int, outputs: Sequence[str]) -> dict[str, np.ndarray]:
+        """One block batch anchored at t: {output name: [n_rows, width] float32}. The block's cache
+        rows are removed again before returning."""
+        from blockspec.runtime import llama_ext
+
+        ll = _raw()
+        b = self._batch
+        ll.llama_batch_ext_clear(b)
+        row = np.ascontiguousarray(self._feats[t])
+        emb = ll.llama_embd(row.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), 1, self.n_feat)
+        pos = (ctypes.c_int32 * 4)()
+        for k in range(n_rows):
+            idx = ll.llama_batch_ext_add_token(b, MAIN_SEQ, int(last_token))
+            if idx < 0 or not ll.llama_batch_ext_set_embd_token(b, idx, emb):
+                raise RuntimeError(f"{self.name} drafter: could not build the block batch ({idx})")
+            pos[0] = t + 1 + k
+            ll.llama_batch_ext_set_pos(b, idx, pos)
+            ll.llama_batch_ext_set_output_logits(b, idx, True)
+        try:
+            rc = ll.llama_process(self._ctx, ll.LLAMA_PROCESS_TYPE_DECODE, b)
+            if rc != 0:
+                raise RuntimeError(f"{self.name} drafter: block batch at position {t + 1} failed ({rc})")
+            out = {}
+            for name in outputs:
+                n = llama_ext.blockspec_get_graph_output(self._ctx, name.encode(), None, 0)
+                if n < 0 or n % n_rows:
+                    raise RuntimeError(f"{self.name} drafter graph has no output {name!r}")
+                buf = np.empty(n, dtype=np.float32)
+                llama_ext.blockspec_get_graph_output(
+                    self._ctx, name.encode(), buf.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), n)
+                out[name] = buf.reshape(n_rows, n // n_rows)
+            return out
+        finally:
+            ll.llama_memory_seq_rm(ll.llama_get_memory(self._ctx), MAIN_SEQ, t + 1, -1)
+
+    def to_target(self, draft_ids: np.ndarray) -> np.ndarray:
+        return draft_ids if self.d2t is None else self.d2t[draft_ids]
+
+
+class GgmlSpecBlockDrafter(GgmlBlockDrafter):
+    """SpecBlock in llama.cpp: the greedy chain of the block, or (tree=True) a tree whose width at
+    each depth is the rank head's bucket there, grown best-first by draft log-probability up to
+    `max_nodes` (the same rule as the torch backend's SpecBlockDrafter)."""
+
+    name = "specblock"
+
+    def __init__(self, path, block_size: int | None = None, tree: bool = False, max_nodes: int = 8, **ctx_opts):
+        super().__init__(path, block_size, **ctx_opts)
+        if self.header["arch"] != "specblock":
+            raise BlockspecError(f"{path} is a {self.header['arch']} drafter, not specblock")
+        self.rank_widths = np.asarray(self.header["rank_widths"])
+        self.tree = tree
+        self.max_nodes = max(1, max_nodes) if tree else self.block_size
+        self.max_leaves = self.max_nodes if tree else 1
+
+    def block_outputs(self, history: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(draft logits [K, Vd], rank logits [K, n_buckets]) of the block rooted at history[-1]."""
+        t = self._anchor(history)
+        out = self._run_block(t, int(history[-1]), self.block_size, ("draft_logits", "rank_logits"))
+        return out["draft_logits"], out["rank_logits"]
+
+    def propose(self, history: Sequence[int]) -> DraftTree:
+        logits, rank = self.block_outputs(history)
+        root, K = int(history[-1]), self.block_size
+        if not self.tree:
+            return DraftTree.chain(root, self.to_target(logits.argmax(-1)).tolist())
+        widths = self.rank_widths[rank.argmax(-1)]  # [K]
+        m = logits.max(-1, keepdims=True)
+        logp = logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True))
+        cand, cand_lp = [], []
+        for k in range(K):
+            w = int(min(widths[k], logp.shape[-1]))
+            top = np.argpartition(-logp[k], w - 1)[:w]
+            top = top[np.argsort(-logp[k, top], kind="stable")]
+            cand.append(self.to_target(top).tolist())
+            cand_lp.append(logp[k, top].tolist())
+        # best-first over paths; scores only fall along a path, so parents come before children
+        tokens, parents = [root], [-1]
+        heap = [(-cand_lp[0][j], 0, 0, j) for j in range(len(cand[0]))]
+        heapq.heapify(heap)
+        while heap and len(tokens) - 1 < self.max_nodes:
+            neg, parent, k, j = heapq.heappop(heap)
+            node = len(tokens)
+            tokens.append(cand[k][j])
+            parents.append(parent)
+            if k + 1 < K:
+                for j2 in range(len(cand[k + 1])):
+                    heapq.heappush(heap, (neg - cand_lp[k + 1][j2], node, k + 1, j2))
+        return DraftTree(tokens, parents)
+
+
+GGML_DRAFTERS = {"specblock": GgmlSpecBlockDrafter}
+
+
+def make_ggml_drafter(method: str, path: str | os.PathLike, block_size: int | None = None,
+                      branches: int = 1, **ctx_opts) -> GgmlBlockDrafter:
+    """The drafter for `--method specblock --drafter X.gguf --drafter-backend ggml`."""
+    h_arch = read_drafter_header(path)["arch"]
+    if h_arch != method:
+        raise BlockspecError(f"{path} is a {h_arch} drafter GGUF, not {method}")
+    kind = GGML_DRAFTERS.get(method)
+    if kind is None:
+        raise BlockspecError(f"--method {method}: the ggml drafter backend has no {method} graph yet "
+                             f"(available: {', '.join(GGML_DRAFTERS)}; use --drafter-backend torch)")
+    if method == "specblock":
+        d = kind(path, block_size, tree=branches > 1, max_nodes=1, **ctx_opts)
+        if branches > 1:
+            d.max_nodes = d.block_size * branches
+            d.max_leaves = d.max_nodes
+        return d
+    return kind(path, block_size, **ctx_opts)
