@@ -394,6 +394,11 @@ def feature_source(c: TrainConfig, target, layers):
     from . import data
 
     if c.features == "cache":
+        if not (Path(c.data) / "meta.json").exists():
+            from blockspec.runtime.errors import BlockspecError
+
+            raise BlockspecError(f"--data {c.data}: no feature cache there (build one with `blockspec train "
+                                 f"features`, or use --features on-the-fly)")
         return data.CachedFeatures.load(c.data, layers)
     return data.OnlineFeatures.from_text(target, c.target, layers, sources=[s for s in c.sources.split(",") if s],
                                          n_seqs=c.n_seqs, max_len=c.max_len)

@@ -94,5 +94,8 @@ def test_feature_source_options(tiny, tmp_path):
     r = CliRunner().invoke(group, ["specblock", "--target", str(path), "--out", str(tmp_path / "x"),
                                    "--features", "online"])
     assert r.exit_code == 2 and "on-the-fly" in r.output
+    r = CliRunner().invoke(group, ["specblock", "--target", str(path), "--out", str(tmp_path / "x"),
+                                   "--data", str(tmp_path / "nothing")])
+    assert isinstance(r.exception, BlockspecError) and "no feature cache" in str(r.exception)
     with pytest.raises(BlockspecError, match="no training sequences"):
         data.OnlineFeatures(tgt.load_target(path), [], [1])
