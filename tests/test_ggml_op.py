@@ -5,9 +5,10 @@ source; skipped unless BLOCKSPEC_TEST_BACKEND_OPS names that binary, e.g.
 
     BLOCKSPEC_TEST_BACKEND_OPS=/path/to/build/bin/test-backend-ops pytest -m heavy tests/test_ggml_op.py
 
-test-backend-ops compares every non-CPU backend with the CPU (on a CPU-only machine it has no
-backend to compare and says so); test-block-shift checks the CPU op bit for bit against its
-definition and against the same result built from existing ops (view + pad + concat).
+test-backend-ops compares a backend with the CPU reference: with `-b CPU` the CPU backend itself
+(so the composed cases check op - (view+pad+concat) == 0 exactly), without -b every non-CPU backend
+(CUDA, ...; none on a CPU-only build). test-block-shift checks the CPU op bit for bit against its
+definition and against the same result built from existing ops.
 """
 
 from __future__ import annotations
