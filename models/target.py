@@ -144,17 +144,18 @@ def _dot_q4_1_q8_1(x: torch.Tensor, wqd: torch.Tensor, mins: torch.Tensor, chunk
     wg = wqd.view(n_out, nb * 8, 4).permute(1, 2, 0).contiguous()  # [nb*8, 4, n_out]
     qg = q.reshape(n, nb * 8, 4).permute(1, 0, 2).contiguous()      # [nb*8, N, 4]
     d16t, st = d16.t().contiguous(), s.t().contiguous()             # [nb, N]
+    summs = torch.zeros(n, n_out)
+    for b in range(nb):
+        summs = _fma(st[b, :, None], mins[None, :, b], summs)
     out = torch.empty(n, n_out)
     for r0 in range(0, n, chunk):
         r1 = min(n, r0 + chunk)
         xy = torch.bmm(qg[:, r0:r1], wg).view(nb, 8, r1 - r0, n_out)
         acc = torch.zeros(8, r1 - r0, n_out)
-        summs = torch.zeros(r1 - r0, n_out)
         for b in range(nb):
             acc = _fma(d16t[b, r0:r1, None], xy[b], acc)
-            summs = _fma(st[b, r0:r1, None], mins[None, :, b], summs)
         h = acc[4:] + acc[:4]  # hsum_float_8
-        out[r0:r1] = ((h[0] + h[2]) + (h[1] + h[3])) + summs
+        out[r0:r1] = ((h[0] + h[2]) + (h[1] + h[3])) + summs[r0:r1]
     return out
 
 
@@ -632,10 +633,13 @@ def bundled_smollm2() -> str:
 
 def write_tiny_gguf(path: str | os.PathLike, args: ModelArgs, seed: int = 0,
                     state: Mapping[str, torch.Tensor] | None = None,
-                    tokenizer_from: str | os.PathLike | None = None) -> dict[str, torch.Tensor]:
+                    tokenizer_from: str | os.PathLike | None = None,
+                    quant: str | None = None) -> dict[str, torch.Tensor]:
     """Write a random-weight (or given-weight) target GGUF of `args` (F32 tensors) and return the
     torch state it holds. Used by tests (tiny qwen3/qwen2/llama) and the overfit check.
-    `tokenizer_from`: a GGUF whose tokenizer.* metadata is copied, so llama.cpp can load it."""
+    `tokenizer_from`: a GGUF whose tokenizer.* metadata is copied, so llama.cpp can load it.
+    `quant`: a gguf quantization type name (e.g. "Q4_1") for the blocks' matmul weights; the
+    returned state then holds their dequantized values."""
     import gguf
 
     torch.manual_seed(seed)
@@ -676,7 +680,14 @@ def write_tiny_gguf(path: str | os.PathLike, args: ModelArgs, seed: int = 0,
         else:
             _, idx, rest = n.split(".", 2)
             g = f"blk.{idx}.{rev_blk[rest]}"
-        w.add_tensor(g, t.detach().float().numpy())
+        arr = t.detach().float().numpy()
+        if quant is not None and g.startswith("blk.") and arr.ndim == 2:
+            qtype = gguf.GGMLQuantizationType[quant]
+            data = gguf.quants.quantize(arr, qtype)
+            w.add_tensor(g, data, raw_dtype=qtype)
+            state = {**state, n: torch.from_numpy(gguf.quants.dequantize(data, qtype).reshape(arr.shape).copy())}
+        else:
+            w.add_tensor(g, arr)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
