@@ -311,13 +311,16 @@ def _dot_f16_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     p = a * b  # f16 x f16 products are exact in f32
     dim = p.shape[-1]
     n32 = dim - dim % 32
-    acc = p[..., :32]
-    for i in range(32, n32, 32):
-        acc = acc + p[..., i:i + 32]  # fma with an exact product = one rounded add
-    acc = acc.unflatten(-1, (4, 8))
-    x0 = (acc[..., 0, :] + acc[..., 2, :]) + (acc[..., 1, :] + acc[..., 3, :])
-    t0 = x0[..., :4] + x0[..., 4:]
-    res = (t0[..., 0] + t0[..., 1]) + (t0[..., 2] + t0[..., 3])
+    if n32 == 0:
+        res = torch.zeros(p.shape[:-1])
+    else:
+        acc = p[..., :32]
+        for i in range(32, n32, 32):
+            acc = acc + p[..., i:i + 32]  # fma with an exact product = one rounded add
+        acc = acc.unflatten(-1, (4, 8))
+        x0 = (acc[..., 0, :] + acc[..., 2, :]) + (acc[..., 1, :] + acc[..., 3, :])
+        t0 = x0[..., :4] + x0[..., 4:]
+        res = (t0[..., 0] + t0[..., 1]) + (t0[..., 2] + t0[..., 3])
     if n32 < dim:  # leftovers are added in double
         res = (res.double() + p[..., n32:].double().sum(-1)).float()
     return res
