@@ -362,10 +362,11 @@ class OnlineFeatures:
     chunks of `batch_size` sequences) so its arrays are the cache's for the same sequences, up
     to f16 rounding of float sums that the chunk shape may reorder (bit-equal in the tests).
     The torch target, not llama.cpp's taps: on this 2-core CPU, one thread each, SmolLM2 Q4_1,
-    5 tapped layers + all logits + top-8, 4 x 256 tokens, torch (emulate_ggml, fp32) did ~107
-    tokens per CPU-second and llama.cpp ~75-100 (batch of 256, flash attention, taps read per
-    decode); torch also batches several sequences per pass and is what built the cache, so
-    both paths train on the same numbers."""
+    5 tapped layers + all logits + top-8 of 4 x 256 tokens, measured in CPU time with repeats
+    interleaved (the machine was shared): torch with emulate_ggml (the cache's setting) did
+    92-107 tokens per CPU-second (plain fp32: ~150), llama.cpp 74-81 (one 256-token batch per
+    sequence, flash attention, taps + logits copied out). Torch also batches several sequences
+    per pass and is what built the cache, so both paths train on the same numbers."""
 
     kind = "on-the-fly"
 
