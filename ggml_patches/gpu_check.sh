@@ -83,8 +83,8 @@ stash)
         found=1
         echo "gpu-check: stashed $(basename "$p") -> $STASH"
     done
-    [ "$found" = 1 ] || [ "${2:-}" = "--optional" ] || die "no carried part under $dir (name .gpu/partN in carry)"
-    ls -la "$STASH"
+    [ "$found" = 1 ] || [ "${3:-}" = "--optional" ] || die "no carried part under $dir (name .gpu/partN in carry)"
+    [ ! -d "$STASH" ] || ls -la "$STASH"
     ;;
 
 run)
@@ -203,7 +203,7 @@ for p in PROMPTS[:6]: print(json.dumps({"prompt": p}))') > "$prompts" || die "wr
     ;;
 
 *)
-    sed -n '2,26p' "$0" >&2
+    sed -n '2,29p' "$0" >&2
     exit 2
     ;;
 esac
