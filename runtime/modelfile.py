@@ -68,13 +68,21 @@ def check_gguf(path: str | os.PathLike) -> Path:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
         raise BlockspecError(f"not a GGUF file (bad magic {magic!r}): {path}")
-    import gguf  # local: keeps CLI start-up fast
+    from gguf.constants import GGML_QUANT_SIZES  # local: keeps CLI start-up fast
+
+    from blockspec.runtime.gguf_header import GGUFHeader
 
     try:
-        reader = gguf.GGUFReader(path, "r")
-    except Exception as e:  # the reader raises assorted errors on a cut header
+        infos = GGUFHeader(str(path)).tensor_infos()
+        end = 0
+        for dims, ttype, off in infos.values():
+            block, type_size = GGML_QUANT_SIZES[ttype]
+            n = 1
+            for d in dims:
+                n *= d
+            end = max(end, off + n // block * type_size)
+    except (ValueError, KeyError) as e:  # a cut header, or a tensor type we do not know
         raise BlockspecError(f"corrupt or truncated GGUF ({type(e).__name__}: {e}): {path}") from None
-    end = max((t.data_offset + int(t.n_bytes) for t in reader.tensors), default=0)
     if end > size:
         raise BlockspecError(f"truncated GGUF: tensor data needs {end} bytes, file has {size}: {path}")
     return path
