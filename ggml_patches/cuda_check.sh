@@ -8,7 +8,7 @@
 #      BLOCKSPEC_CACHE (default ~/.cache/blockspec), JOBS (default 2),
 #      CUDA_CHECK_SRC (an already patched vendor/llama.cpp to check instead of a fresh one).
 #
-# Only the objects below are compiled, never the whole ggml-cuda library: its ~170 kernel files
+# Only the objects below are compiled, never the whole ggml-cuda library: its ~140 .cu files
 # (flash attention and mmq template instances) take hours on a 2-core machine, and none of them
 # changes with our patches. Nothing is linked, so no GPU or driver is needed.
 #   ggml-cuda/block-shift.cu  - patch 0005: the GGML_OP_BLOCK_SHIFT kernel
