@@ -262,8 +262,8 @@ def ggml_apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox:
 
 
 def _bits_to_f32(i: torch.Tensor) -> torch.Tensor:
-    i = i & 0xFFFFFFFF
-    return torch.where(i >= 2**31, i - 2**32, i).to(torch.int32).view(torch.float32)
+    # int64 -> int32 keeps the low 32 bits (two's complement), like the SIMD integer ops
+    return i.to(torch.int32).view(torch.float32)
 
 
 def _hexf(v: str) -> torch.Tensor:
