@@ -101,13 +101,6 @@ def ggml_round_activations(x: torch.Tensor, kind: str):
     return xq, (d * sq).half().float() - d16 * sq
 
 
-def fake_quant_q8(x: torch.Tensor, block: int = 32, scale_dtype: torch.dtype = torch.float16) -> torch.Tensor:
-    """Round x [..., n] the way ggml quantizes activations to q8_0/q8_1 (block 32, f16 scale) or
-    q8_K (block 256, f32 scale) and dequantize again."""
-    q, d = _q8_blocks(x.float(), block)
-    return (q * d.to(scale_dtype).float()[..., None]).flatten(-2).to(x.dtype)
-
-
 def _q4_1_blocks(t) -> tuple[torch.Tensor, torch.Tensor]:
     """Raw Q4_1 GGUF tensor -> (q*d [out, in] exact in f32, mins m [out, in/32])."""
     raw = np.asarray(t.data, dtype=np.uint8).reshape(-1, 20)  # block: d f16, m f16, 16 bytes of nibbles
