@@ -187,6 +187,13 @@ def smollm2_parity():
     except ImportError as e:
         pytest.skip(f"training-text packages unavailable: {e}")
     ref_logits, ref_taps = runtime_reference(path, tokens)
+    # the runtime's other mode, one token per decode, gives the same bits (batch invariance)
+    from blockspec.runtime.target import Target, TargetConfig
+
+    with Target(path, TargetConfig(n_ctx=1024, n_batch=64)) as t:
+        for i, tok in enumerate(tokens[:32]):
+            t.decode([tok], [i])
+            np.testing.assert_array_equal(t.logits_row(-1), ref_logits[i], err_msg=f"position {i}")
     return path, tokens, ref_logits, ref_taps
 
 
