@@ -12,7 +12,11 @@ Per method and temperature (sums over the prompts that method completed):
 - speedup_vs_plain: tokens_per_s / plain's tokens_per_s over the same prompts in this run;
 - draft_fraction: drafting time / (drafting + verifying) (ours only; null for peers);
 - lossless (T = 0 only): every prompt's output equals plain's (ours: token ids, up to max_tokens;
-  peers: text, plain's being a prefix of the peer's when plain stopped at max_tokens);
+  peers: text, plain's being a prefix of the peer's when plain stopped at max_tokens). A peer is
+  compared with OUR plain output, so it also reflects upstream's prefill split: the tool decodes
+  prompt[:-1] as one batch and the last prompt token alone, our engine the whole prompt as one batch,
+  and above 64 rows the CPU kernels are not batch invariant (patch 0004), so the first logits can
+  differ in the last bits; compare llama.cpp-plain's entry to tell that from a speculation effect;
 - accept_hist[k]: target passes that accepted k drafted tokens.
 """
 
