@@ -122,7 +122,7 @@ def test_bench_upstream_peers(tmp_path):
         for t in (0.0, 1.0):
             r = runs[(m, t)]
             assert "error" not in r, r
-            assert r["n_prompts"] == 2 and r["n_tokens"] >= 2 * 40 and r["tokens_per_s"] > 0
+            assert r["n_prompts"] == 2 and r["n_tokens"] >= 2 and r["tokens_per_s"] > 0
             assert sum(r["accept_hist"]) >= 1
         assert runs[(m, 0.0)]["lossless"] is True
     assert runs[("llama.cpp-plain", 0.0)]["tau"] == pytest.approx(1.0)
