@@ -33,7 +33,7 @@ $(VENV)/.deps: setup.cfg pyproject.toml | $(PY)
 setup: build $(VENV)/.deps
 
 demo: setup
-	$(VENV)/bin/blockspec generate "$(PROMPT)" --max-tokens 128
+	$(VENV)/bin/blockspec generate "$(PROMPT)" --method specblock --max-tokens 128 --compare-plain
 
 test: setup
 	$(PY) -m pytest -q

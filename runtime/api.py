@@ -4,20 +4,21 @@ from __future__ import annotations
 
 from typing import Callable
 
-from blockspec.runtime.drafters import make_drafter
+from blockspec.runtime.drafters import default_method, make_drafter
 from blockspec.runtime.generate import Generation, generate
 from blockspec.runtime.prompt import prompt_tokens
 from blockspec.runtime.sampling import SamplingParams
 from blockspec.runtime.target import open_target
 
 
-def run_generate(prompt: str, *, model: str | None = None, method: str = "plain", drafter: str | None = None,
+def run_generate(prompt: str, *, model: str | None = None, method: str | None = None, drafter: str | None = None,
                  drafter_backend: str | None = None, block_size: int = 4, branches: int = 1, max_tokens: int = 256,
                  temperature: float = 0.0, top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05,
                  repeat_penalty: float = 1.0, seed: int | None = None, raw: bool = False, system: str | None = None,
                  n_ctx: int = 4096, verbose: bool = False, on_text: Callable[[str], None] | None = None) -> Generation:
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                               repeat_penalty=repeat_penalty, seed=seed)
+    method = method or default_method(model, drafter)
     d = make_drafter(method, drafter, drafter_backend, block_size=block_size, branches=branches)
     n_seq_max = 1 + (d.max_leaves if d is not None else 0)
     with open_target(model, n_ctx=n_ctx, n_seq_max=n_seq_max, verbose=verbose) as target:

@@ -33,8 +33,9 @@ def cli():
 @cli.command()
 @click.argument("prompt")
 @click.option("--model", "model", default=None, help="GGUF path or fetched model name [default: bundled SmolLM2-135M]")
-@click.option("--method", type=click.Choice(["plain", "ngram", "specblock", "dblast"]), default="plain", show_default=True,
-              help="plain decoding, or a drafter to speculate with")
+@click.option("--method", type=click.Choice(["plain", "ngram", "specblock", "dblast"]), default=None,
+              help="plain decoding, or a drafter to speculate with (specblock/dblast without --drafter: the "
+                   "drafter shipped for the bundled model) [default: the --drafter's method, else plain]")
 @click.option("--drafter", "drafter", default=None, help="drafter checkpoint (GGUF or torch checkpoint dir)")
 @click.option("--drafter-backend", type=click.Choice(["torch", "ggml"]), default=None,
               help="where a model drafter runs [default: ggml for a GGUF drafter]")
@@ -52,8 +53,10 @@ def cli():
 @click.option("--n-ctx", type=int, default=4096, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of streaming text")
 @click.option("--verbose", is_flag=True, help="show llama.cpp's log")
+@click.option("--compare-plain", is_flag=True, help="then decode the same prompt plainly and print the speedup "
+              "(and, greedy, whether the outputs are identical)")
 def generate(prompt, model, method, drafter, drafter_backend, block_size, branches, max_tokens, temperature, top_k, top_p, min_p, repeat_penalty, seed, raw,
-             system, n_ctx, as_json, verbose):
+             system, n_ctx, as_json, verbose, compare_plain):
     """Generate a completion for PROMPT."""
     from blockspec.runtime.api import run_generate
 
@@ -61,10 +64,11 @@ def generate(prompt, model, method, drafter, drafter_backend, block_size, branch
         click.echo(text, nl=False)
         sys.stdout.flush()
 
-    gen = run_generate(prompt, model=model, method=method, drafter=drafter, drafter_backend=drafter_backend,
-                       block_size=block_size, branches=branches, max_tokens=max_tokens, temperature=temperature,
-                       top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, raw=raw,
-                       system=system, n_ctx=n_ctx, verbose=verbose, on_text=None if as_json else stream)
+    common = dict(model=model, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                  min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, raw=raw, system=system, n_ctx=n_ctx,
+                  verbose=verbose)
+    gen = run_generate(prompt, method=method, drafter=drafter, drafter_backend=drafter_backend,
+                       block_size=block_size, branches=branches, on_text=None if as_json else stream, **common)
     if as_json:
         click.echo(json.dumps(gen.to_json()))
     else:
@@ -75,6 +79,12 @@ def generate(prompt, model, method, drafter, drafter_backend, block_size, branch
     if gen.finish_reason == "interrupted":
         click.echo("blockspec: interrupted", err=True)
         sys.exit(130)
+    if compare_plain and gen.stats.method != "plain":
+        plain = run_generate(prompt, method="plain", **common)
+        ratio = gen.stats.tokens_per_s / max(plain.stats.tokens_per_s, 1e-9)
+        same = "" if temperature > 0 else f"; output identical to plain: {'yes' if plain.tokens == gen.tokens else 'NO'}"
+        click.echo(f"[plain] {plain.stats.tokens_per_s:.1f} tok/s -> {gen.stats.method} speedup {ratio:.2f}x{same}",
+                   err=True)
 
 
 @cli.group()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import click
 
-_METHOD_HELP = "drafter method: plain, ngram, ... [default: the shipped default, see llama_api.DEFAULT_METHOD]"
+_METHOD_HELP = "drafter method: plain, ngram, ... [default: the --drafter's method, else plain]"
 
 
 def _model_options(f):

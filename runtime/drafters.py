@@ -108,6 +108,53 @@ class FixedDrafter(Drafter):
         return DraftTree.chain(int(history[-1]), self.continuation[at: at + self.block_size])
 
 
+SHIPPED_TARGET = "SmolLM2-135M-Instruct Q4_1 (the bundled model)"
+
+
+def shipped_drafter(method: str) -> str | None:
+    """The trained drafter shipped for the bundled model (models/drafters/, rebuilt by
+    `make drafters`), or None. It is paired with SHIPPED_TARGET: any other target refuses it at
+    load with the fingerprint check, like every drafter."""
+    from importlib.util import find_spec
+    from pathlib import Path
+
+    spec = find_spec("blockspec.models")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(root) / "drafters" / f"smollm2-135m-{method}.q8_0.gguf"
+        if path.is_file():
+            return str(path)
+    return None
+
+
+def default_method(model_path: str | None, drafter_path: str | None = None) -> str:
+    """`--method` when none is given: the method of `drafter_path` (its GGUF arch or checkpoint
+    model_type); without a drafter, plain decoding. The shipped drafters are used by naming their
+    method (`--method specblock`); they are not the default because on the 2-core CPU they were
+    measured slower than plain decoding (tau ~1.2 at a draft cost of ~0.35 target tokens; see the
+    bench) — flip this when a shipped drafter wins its bench."""
+    import json
+    from pathlib import Path
+
+    from blockspec.runtime.errors import BlockspecError
+
+    if not drafter_path:
+        return "plain"
+    p = Path(drafter_path)
+    try:
+        if p.is_dir():
+            arch = json.loads((p / "drafter.json").read_text())["model_args"]["model_type"]
+        else:
+            from blockspec.runtime.gguf_header import GGUFHeader
+
+            arch = GGUFHeader(str(p)).fields["general.architecture"]
+    except (OSError, ValueError, KeyError) as e:
+        raise BlockspecError(f"cannot tell the drafter's method from {p} ({type(e).__name__}: {e}); "
+                             "pass --method") from None
+    if arch not in ("specblock", "dblast"):
+        raise BlockspecError(f"{p} is a {arch!r} file, not a specblock or dblast drafter")
+    return arch
+
+
 def make_drafter(method: str, drafter_path: str | None = None, backend: str | None = None,
                  block_size: int = 4, branches: int = 1) -> Drafter | None:
     """The drafter for a `--method` (None for plain decoding)."""
@@ -118,9 +165,10 @@ def make_drafter(method: str, drafter_path: str | None = None, backend: str | No
     if method == "ngram":
         return NgramDrafter(block_size=block_size, branches=branches)
     if method in ("specblock", "dblast"):  # need a trained drafter
+        drafter_path = drafter_path or shipped_drafter(method)
         if not drafter_path:
-            raise BlockspecError(f"--method {method} needs --drafter PATH (a checkpoint dir from "
-                                 f"`blockspec train {method}`)")
+            raise BlockspecError(f"--method {method} needs --drafter PATH (a GGUF from `blockspec convert "
+                                 f"drafter`, or a checkpoint dir from `blockspec train {method}`)")
         if backend is None:
             backend = "ggml" if str(drafter_path).endswith(".gguf") else "torch"
         if backend == "ggml":

@@ -23,15 +23,12 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from blockspec.runtime.drafters import make_drafter
+from blockspec.runtime.drafters import default_method, make_drafter
 from blockspec.runtime.errors import BlockspecError
 from blockspec.runtime.generate import Stats, generate_stream
 from blockspec.runtime.prompt import chat_tokens
 from blockspec.runtime.sampling import SamplingParams
 from blockspec.runtime.target import open_target
-
-# The method used when none is given. A shipped trained drafter replaces "ngram" here.
-DEFAULT_METHOD = "ngram"
 
 
 class StopText:
@@ -81,7 +78,7 @@ class SpeculativeLlama:
     """A GGUF target plus a drafter, with the call shapes of `llama_cpp.Llama`.
 
     model_path: GGUF path or fetched model name (None: the bundled SmolLM2-135M).
-    method: drafter method (None: DEFAULT_METHOD); "plain" decodes without a drafter.
+    method: drafter method (None: the drafter's own method, plain without one; drafters.default_method); "plain" decodes without a drafter.
     seed: default sampling seed; calls without their own seed draw from a generator
     seeded with it, so a sequence of calls is reproducible (None: random).
 
@@ -92,7 +89,7 @@ class SpeculativeLlama:
                  n_ctx: int = 4096, n_gpu_layers: int = -1, seed: int | None = None, verbose: bool = False,
                  n_threads: int | None = None, block_size: int = 4, branches: int = 1,
                  drafter_backend: str | None = None, n_batch: int = 512):
-        self.method = method or DEFAULT_METHOD
+        self.method = method or default_method(model_path, drafter_path)
         self.drafter = make_drafter(self.method, drafter_path, drafter_backend, block_size=block_size,
                                     branches=branches)
         n_seq_max = 1 + (self.drafter.max_leaves if self.drafter is not None else 0)
