@@ -280,7 +280,7 @@ def run_bench(prompts: str, *, methods: str | Sequence[str] = "plain,ngram",
     from tqdm import tqdm
 
     from blockspec.runtime import bench_peers
-    from blockspec.runtime.drafters import make_drafter
+    from blockspec.runtime.drafters import make_drafter, shipped_drafter
     from blockspec.runtime.modelfile import resolve_model
     from blockspec.runtime.prompt import chat_tokens, render_chat
     from blockspec.runtime.sampling import SamplingParams
@@ -299,7 +299,7 @@ def run_bench(prompts: str, *, methods: str | Sequence[str] = "plain,ngram",
     drafters = {}
     for n in names:
         m = METHODS[n]
-        path = _drafter_for(n, paths)
+        path = _drafter_for(n, paths) or (shipped_drafter(m.base) if m.needs_drafter else None)
         if m.needs_drafter and not path:
             errors[n] = f"needs --drafter {n}=PATH"
         elif m.base == "peer" and path:

@@ -169,9 +169,14 @@ def make_drafter(method: str, drafter_path: str | None = None, backend: str | No
         if not drafter_path:
             raise BlockspecError(f"--method {method} needs --drafter PATH (a GGUF from `blockspec convert "
                                  f"drafter`, or a checkpoint dir from `blockspec train {method}`)")
-        if backend is None:
-            backend = "ggml" if str(drafter_path).endswith(".gguf") else "torch"
+        if backend is None:  # llama.cpp runs GGUF SpecBlock drafters; DBlast has no ggml graph yet
+            backend = "ggml" if str(drafter_path).endswith(".gguf") and method == "specblock" else "torch"
         if backend == "ggml":
+            from pathlib import Path
+
+            if Path(drafter_path).is_dir():
+                raise BlockspecError(f"the ggml backend runs GGUF drafters; {drafter_path} is a checkpoint dir "
+                                     f"(convert it with `blockspec convert drafter`, or use --drafter-backend torch)")
             from blockspec.runtime.drafters_ggml import make_ggml_drafter
 
             return make_ggml_drafter(method, drafter_path, block_size=block_size, branches=branches)

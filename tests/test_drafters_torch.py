@@ -221,22 +221,36 @@ def test_mismatched_drafter_refused_with_one_line(target, tmp_path, bad, words):
     assert words in str(e.value) and "\n" not in str(e.value)
 
 
-def test_make_drafter_errors(tmp_path, ckpts):
+def test_make_drafter_errors(tmp_path, ckpts, monkeypatch):
+    import blockspec.runtime.drafters as drafters
+
+    monkeypatch.setattr(drafters, "shipped_drafter", lambda method: None)  # as for a target with none
     with pytest.raises(BlockspecError, match=r"--method specblock needs --drafter PATH"):
         make_drafter("specblock", None)
+    monkeypatch.undo()
     with pytest.raises(BlockspecError, match="does not exist"):
         make_drafter("dblast", str(tmp_path / "nope"))
     (tmp_path / "empty").mkdir()
     with pytest.raises(BlockspecError, match="not a drafter checkpoint"):
         make_drafter("dblast", str(tmp_path / "empty"))
-    with pytest.raises(BlockspecError, match="not available yet"):
+    with pytest.raises(BlockspecError, match="the ggml backend runs GGUF drafters"):
         make_drafter("specblock", str(ckpts["specblock"]), "ggml")
     with pytest.raises(BlockspecError, match="is a specblock checkpoint, not dblast"):
         make_drafter("dblast", str(ckpts["specblock"]))
 
 
-def test_cli_specblock_without_drafter_is_one_line():
-    r = run_cli("generate", "hi", "--method", "specblock", timeout=60)
+def test_shipped_drafter_is_refused_by_another_target(tmp_path):
+    """`--method specblock` without --drafter takes the drafter shipped for the bundled model; a
+    different target refuses it at load in one line naming the mismatch."""
+    from blockspec.models.target import ModelArgs, write_tiny_gguf
+    from blockspec.runtime.drafters import shipped_drafter
+    from blockspec.runtime.modelfile import bundled_model_path
+
+    assert shipped_drafter("specblock") and shipped_drafter("dblast")
+    tiny = tmp_path / "tiny.gguf"
+    write_tiny_gguf(tiny, ModelArgs(arch="llama", dim=64, n_layer=2, n_head=4, n_kv_head=2, head_dim=16,
+                                    ffn_dim=128, vocab_size=49152), tokenizer_from=bundled_model_path())
+    r = run_cli("generate", "hi", "--method", "specblock", "--model", str(tiny), "--max-tokens", "4", timeout=120)
     assert r.returncode == 1
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("blockspec: error: --method specblock needs --drafter"), r.stderr
+    assert len(lines) == 1 and lines[0].startswith("blockspec: error:") and "width" in lines[0], r.stderr

@@ -52,8 +52,11 @@ def test_ctrl_c_mid_generation_keeps_the_text():
 
     from conftest import cli_exe
 
+    # a shell running the suite in the background hands its children SIGINT ignored; give the CLI
+    # the default disposition, as an interactive terminal would
     p = subprocess.Popen([cli_exe(), "generate", "Write a long story about a dragon.", "--max-tokens", "4000"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "BLOCKSPEC_THREADS": "1"})
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "BLOCKSPEC_THREADS": "1"},
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     first = p.stdout.read(40)  # blocks until generation is under way
     time.sleep(0.5)
     p.send_signal(signal.SIGINT)
