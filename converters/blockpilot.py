@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from blockspec.converters.gguf_out import gguf_writer
 from blockspec.runtime.errors import BlockspecError
 
 ARCH = "blockpilot"
@@ -46,8 +47,6 @@ def _state_to_gguf(state: dict) -> dict:
 
 def convert_blockpilot(ckpt: str | os.PathLike, out_path: str | os.PathLike) -> Path:
     """Checkpoint dir (models/blockpilot.save_checkpoint) or a BlockPilot module -> GGUF."""
-    import gguf
-
     from blockspec.models import blockpilot as bp
 
     if isinstance(ckpt, bp.BlockPilot):
@@ -59,9 +58,7 @@ def convert_blockpilot(ckpt: str | os.PathLike, out_path: str | os.PathLike) -> 
         model, _ = bp.load_checkpoint(d)
     a = model.args
     out = Path(out_path)
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    try:
-        w = gguf.GGUFWriter(str(tmp), ARCH)
+    with gguf_writer(out, ARCH) as w:
         w.add_string(f"{ARCH}.feature.kind", FEATURE_KIND)
         w.add_uint32(f"{ARCH}.feature.top_k", a.top_k)
         w.add_uint32(f"{ARCH}.feature_length", a.n_features)
@@ -74,13 +71,6 @@ def convert_blockpilot(ckpt: str | os.PathLike, out_path: str | os.PathLike) -> 
         state = {k: v.detach().float().cpu().numpy() for k, v in model.state_dict().items()}
         for name, arr in _state_to_gguf(state).items():
             w.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
     return out
 
 

@@ -15,7 +15,6 @@ refuse to pair it with a target that differs in vocabulary, width, depth or toke
 
 from __future__ import annotations
 
-import hashlib
 import os
 from functools import lru_cache
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
+from blockspec.converters.gguf_out import gguf_writer
 from blockspec.converters.keys import ARCH_ARGS_KEYS, ARCHS, ARGS_KEYS, Keys, gguf_to_torch_name, keep_f32, \
     torch_to_gguf_name
 from blockspec.runtime.errors import BlockspecError
@@ -211,9 +211,7 @@ class DrafterConverter:
 
         out = Path(out_path)
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-        try:
-            w = gguf.GGUFWriter(str(tmp), self.arch)
+        with gguf_writer(out, self.arch) as w:
             w.add_name(f"blockspec {self.arch} drafter")
             w.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                              "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[self.outtype])
@@ -224,14 +222,6 @@ class DrafterConverter:
                 for gname, t in self.modify_tensors(name, tensor):
                     data, raw = self.to_numpy(gname, t)
                     w.add_tensor(gname, data, raw_dtype=raw)
-            w.write_header_to_file()
-            w.write_kv_data_to_file()
-            w.write_tensors_to_file()
-            w.close()
-            os.replace(tmp, out)
-        finally:
-            if tmp.exists():
-                tmp.unlink()
         return out
 
     # ---- reading back

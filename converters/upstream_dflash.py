@@ -48,6 +48,7 @@ from pathlib import Path
 
 import numpy as np
 
+from blockspec.converters.gguf_out import gguf_writer
 from blockspec.runtime.errors import BlockspecError
 
 ARCH = "dflash"
@@ -129,9 +130,7 @@ def export_upstream_dflash(model_or_ckpt, out_path: str | os.PathLike, target: s
     V, H = ta.vocab_size, a.dim
 
     out = Path(out_path)
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    try:
-        w = gguf.GGUFWriter(str(tmp), ARCH)
+    with gguf_writer(out, ARCH) as w:
         w.add_name("blockspec DBlast (upstream dflash layout)")
         ctx_field = tr.fields.get(f"{ta.arch}.context_length")
         w.add_context_length(int(ctx_field.contents()) if ctx_field is not None else 4096)
@@ -193,13 +192,6 @@ def export_upstream_dflash(model_or_ckpt, out_path: str | os.PathLike, target: s
             for i in range(a.n_layer):
                 w.add_tensor(f"blk.{i}.attn_q_norm.weight", np.ones(a.head_dim, np.float32))
                 w.add_tensor(f"blk.{i}.attn_k_norm.weight", np.ones(a.head_dim, np.float32))
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
     return out
 
 
