@@ -21,7 +21,6 @@ engine's sample-and-match acceptance stays lossless for any tree the drafter pic
 from __future__ import annotations
 
 import ctypes
-import heapq
 import os
 from pathlib import Path
 from typing import Sequence
@@ -351,19 +350,7 @@ class GgmlSpecBlockDrafter(GgmlBlockDrafter):
             top = top[np.argsort(-logp[k, top], kind="stable")]
             cand.append(self.to_target(top).tolist())
             cand_lp.append(logp[k, top].tolist())
-        # best-first over paths; scores only fall along a path, so parents come before children
-        tokens, parents = [root], [-1]
-        heap = [(-cand_lp[0][j], 0, 0, j) for j in range(len(cand[0]))]
-        heapq.heapify(heap)
-        while heap and len(tokens) - 1 < self.max_nodes:
-            neg, parent, k, j = heapq.heappop(heap)
-            node = len(tokens)
-            tokens.append(cand[k][j])
-            parents.append(parent)
-            if k + 1 < K:
-                for j2 in range(len(cand[k + 1])):
-                    heapq.heappush(heap, (neg - cand_lp[k + 1][j2], node, k + 1, j2))
-        return DraftTree(tokens, parents)
+        return DraftTree.best_first(root, cand, cand_lp, self.max_nodes)
 
 
 GGML_DRAFTERS = {"specblock": GgmlSpecBlockDrafter}

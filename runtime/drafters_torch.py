@@ -15,7 +15,6 @@ target in `check_target`.
 
 from __future__ import annotations
 
-import heapq
 import json
 import os
 from functools import lru_cache
@@ -186,20 +185,7 @@ class SpecBlockDrafter(TorchDrafter):
         top = logp.topk(min(wmax, logp.shape[-1]), dim=-1)
         cand = [self.model.vocab.to_target(top.indices[k, :int(widths[k])]).tolist() for k in range(K)]
         cand_lp = [top.values[k, :int(widths[k])].tolist() for k in range(K)]
-        # best-first over paths: a node at depth k may take any of depth k+1's candidates; scores
-        # only fall along a path, so a parent is always taken before its children
-        tokens, parents = [root], [-1]
-        heap = [(-cand_lp[0][j], 0, 0, j) for j in range(len(cand[0]))]  # (-score, parent, depth, rank)
-        heapq.heapify(heap)
-        while heap and len(tokens) - 1 < self.max_nodes:
-            neg, parent, k, j = heapq.heappop(heap)
-            node = len(tokens)
-            tokens.append(cand[k][j])
-            parents.append(parent)
-            if k + 1 < K:
-                for j2 in range(len(cand[k + 1])):
-                    heapq.heappush(heap, (neg - cand_lp[k + 1][j2], node, k + 1, j2))
-        return DraftTree(tokens, parents)
+        return DraftTree.best_first(root, cand, cand_lp, self.max_nodes)
 
 
 class DBlastDrafter(TorchDrafter):

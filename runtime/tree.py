@@ -61,6 +61,28 @@ class DraftTree:
                 node = index[key]
         return cls(tokens, parents)
 
+    @classmethod
+    def best_first(cls, root: int, cand: list[list[int]], cand_logp: list[list[float]], max_nodes: int) -> "DraftTree":
+        """The `max_nodes` most likely paths' nodes from per-depth candidates (`cand[k]` with
+        log-probs `cand_logp[k]`, each sorted best first), where a node at depth k may take any of
+        depth k+1's candidates. Scores only fall along a path, so a parent always comes before its
+        children. (The rank-head tree of SpecBlock, for either backend.)"""
+        import heapq
+
+        K = len(cand)
+        tokens, parents = [root], [-1]
+        heap = [(-cand_logp[0][j], 0, 0, j) for j in range(len(cand[0]))] if K else []  # (-score, parent, depth, rank)
+        heapq.heapify(heap)
+        while heap and len(tokens) - 1 < max_nodes:
+            neg, parent, k, j = heapq.heappop(heap)
+            node = len(tokens)
+            tokens.append(cand[k][j])
+            parents.append(parent)
+            if k + 1 < K:
+                for j2 in range(len(cand[k + 1])):
+                    heapq.heappush(heap, (neg - cand_logp[k + 1][j2], node, k + 1, j2))
+        return cls(tokens, parents)
+
     def prefix(self, n: int) -> "DraftTree":
         """The first n nodes: still a tree, since parents precede their children."""
         return DraftTree(self.tokens[:n], self.parents[:n], self.q[:n])
