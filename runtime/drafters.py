@@ -16,6 +16,16 @@ import numpy as np
 from blockspec.runtime.tree import DraftTree
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class Drafter:
     name = "base"
     backend: str | None = None  # "torch", "ggml", or None for model-free drafters
@@ -108,13 +118,10 @@ class FixedDrafter(Drafter):
         return DraftTree.chain(int(history[-1]), self.continuation[at: at + self.block_size])
 
 
-SHIPPED_TARGET = "SmolLM2-135M-Instruct Q4_1 (the bundled model)"
-
-
 def shipped_drafter(method: str) -> str | None:
     """The trained drafter shipped for the bundled model (models/drafters/, rebuilt by
-    `make drafters`), or None. It is paired with SHIPPED_TARGET: any other target refuses it at
-    load with the fingerprint check, like every drafter."""
+    `make drafters`), or None. It is paired with the bundled SmolLM2-135M-Instruct Q4_1: any
+    other target refuses it at load with the fingerprint check, like every drafter."""
     from importlib.util import find_spec
     from pathlib import Path
 

@@ -27,7 +27,7 @@ from typing import Sequence
 
 import numpy as np
 
-from blockspec.runtime.drafters import Drafter
+from blockspec.runtime.drafters import Drafter, common_prefix
 from blockspec.runtime.errors import BlockspecError
 from blockspec.runtime.tree import DraftTree
 
@@ -217,12 +217,7 @@ class GgmlBlockDrafter(Drafter):
 
     # ------------------------------------------------------------------ context
     def held_prefix(self, tokens) -> int:
-        k = 0
-        for a, b in zip(tokens, self.tokens):
-            if a != b:
-                break
-            k += 1
-        return k
+        return common_prefix(tokens, self.tokens)
 
     def trim(self, n: int) -> None:
         if n < len(self.tokens):

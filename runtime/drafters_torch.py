@@ -23,7 +23,7 @@ from typing import Sequence
 
 import numpy as np
 
-from blockspec.runtime.drafters import Drafter
+from blockspec.runtime.drafters import Drafter, common_prefix
 from blockspec.runtime.errors import BlockspecError
 from blockspec.runtime.tree import DraftTree
 
@@ -99,12 +99,7 @@ class TorchDrafter(Drafter):
         self._bind(target)
 
     def held_prefix(self, tokens) -> int:
-        k = 0
-        for a, b in zip(tokens, self.tokens):
-            if a != b:
-                break
-            k += 1
-        return k
+        return common_prefix(tokens, self.tokens)
 
     def _bind(self, target) -> None:
         path = str(getattr(target, "path", ""))

@@ -17,6 +17,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from blockspec.runtime.errors import BlockspecError
+from blockspec.runtime.drafters import common_prefix
 from blockspec.runtime.sampling import SamplingParams, make_rng, sample
 
 
@@ -96,12 +97,7 @@ def plain_steps(s: StepState) -> Iterator[list[int]]:
 def _prefill(target, prompt: list[int], drafter) -> np.ndarray:
     """Decode the prompt, reusing the longest cached prefix (the last prompt token is always
     decoded, for its logits); the drafter is trimmed and fed the same rows."""
-    common = 0
-    for a, b in zip(target.cached, prompt):
-        if a != b:
-            break
-        common += 1
-    common = min(common, len(prompt) - 1)
+    common = min(common_prefix(target.cached, prompt), len(prompt) - 1)
     if drafter is not None:
         common = min(common, drafter.held_prefix(prompt))
     target.remove(-1, common, -1)
