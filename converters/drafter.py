@@ -216,7 +216,7 @@ class DrafterConverter:
             w.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                              "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[self.outtype])
             self.set_gguf_parameters(w)
-            for name, tensor in self.model.state_dict().items():
+            for name, tensor in self.model.export_state().items():
                 if tensor is None:
                     continue
                 for gname, t in self.modify_tensors(name, tensor):
@@ -357,7 +357,7 @@ def read_drafter_gguf(path: str | os.PathLike):
         model = build_model(margs)
     except (ValueError, RuntimeError, TypeError, ZeroDivisionError) as e:
         raise BlockspecError(f"{path}: drafter metadata does not describe a valid {arch} drafter ({e})") from None
-    expected = model.state_dict()
+    expected = model.export_state()
     state = {}
     for gname, t in tensors.items():
         try:

@@ -172,7 +172,7 @@ def export_upstream_dflash(model_or_ckpt, out_path: str | os.PathLike, target: s
         _encode(w, "token_embd.weight", np.concatenate([emb, mask[None]], axis=0), outtype)
         del emb
 
-        state = {k: v.detach().float().cpu().numpy() for k, v in model.state_dict().items()
+        state = {k: v.detach().float().cpu().numpy() for k, v in model.export_state().items()
                  if k not in ("target_embed", "target_head")}
         if a.draft_vocab_size:
             d2t = state["vocab.d2t"].astype(np.int64)

@@ -176,6 +176,11 @@ class BlockDrafter(nn.Module):
         H = args.dim
         # fuse the concatenated target layer states into the conditioning stream c [.., H]
         self.fc = nn.Linear(len(args.target_layers) * args.target_dim, H, bias=False)
+        # per-dimension input scale of the features (1/RMS over training data, see `fit_feature_scale`):
+        # small targets carry "massive activations" (SmolLM2-135M: one dimension at RMS ~2400 against a
+        # median of ~7), which would otherwise dominate fc's output and, after cond_norm, drown the
+        # rest. Linear, so `export_state` folds it into fc and drafter GGUFs never carry it.
+        self.register_buffer("feat_scale", torch.ones(len(args.target_layers) * args.target_dim))
         self.cond_norm = RMSNorm(H, args.norm_eps)
         self.layers = nn.ModuleList(
             DraftLayer(H, args.n_head, args.n_kv_head, args.head_dim, args.ffn_dim, args.rope_base, args.norm_eps)
@@ -185,6 +190,25 @@ class BlockDrafter(nn.Module):
         # the target's frozen embeddings / head: non-persistent, so checkpoints never carry them
         self.register_buffer("target_embed", None, persistent=False)
         self.register_buffer("target_head", None, persistent=False)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # checkpoints from before the feature scale, and exported states (scale folded into fc)
+        state_dict.setdefault(prefix + "feat_scale", torch.ones_like(self.feat_scale))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    @torch.no_grad()
+    def fit_feature_scale(self, feats: torch.Tensor) -> None:
+        """Set the feature scale from sample rows [..., F] of target features: each dimension
+        divided by its RMS over the rows."""
+        x = feats.reshape(-1, feats.shape[-1]).float()
+        self.feat_scale.copy_(x.pow(2).mean(0).sqrt().clamp_min(1e-6).reciprocal())
+
+    def export_state(self) -> dict:
+        """state_dict with the feature scale folded into fc (what converters write)."""
+        state = dict(self.state_dict())
+        scale = state.pop("feat_scale")
+        state["fc.weight"] = state["fc.weight"] * scale.to(state["fc.weight"].dtype)
+        return state
 
     def bind_target(self, embed_weight: torch.Tensor, head_weight: torch.Tensor) -> "BlockDrafter":
         self.target_embed = embed_weight.detach()
@@ -198,7 +222,7 @@ class BlockDrafter(nn.Module):
 
     def condition(self, feats: torch.Tensor) -> torch.Tensor:
         """[B, S, F] concatenated target layer states -> conditioning c [B, S, H]."""
-        return self.cond_norm(self.fc(feats.to(self.fc.weight.dtype)))
+        return self.cond_norm(self.fc(feats.to(self.fc.weight.dtype) * self.feat_scale.to(self.fc.weight.dtype)))
 
     def context(self, cond: torch.Tensor, cache: DraftCache | None):
         """Per-layer context K/V for all positions (cache + new `cond` rows) and all c rows."""

@@ -50,6 +50,7 @@ class TrainConfig:
     n_seqs: int = 2048                   # on-the-fly: sequences (the cache builder's default)
     max_len: int = 384                   # on-the-fly: tokens per sequence window
     n_layer: int = 2
+    ffn_dim: int = 0                     # drafter FFN width (0: the target's)
     block_size: int = 0                  # 0: the method's default (specblock K=4, dblast B=5)
     draft_vocab_size: int = 8192         # 0: share the target's head
     target_layers: list = field(default_factory=list)  # empty: the method's default
@@ -65,6 +66,7 @@ class TrainConfig:
     cross_block_weight: float = 0.0      # SpecBlock cross-block term (0: off, the plain recipe)
     cross_block_shift: int = 0           # block 2 anchor offset m in 1..K (0: K, chained blocks)
     no_target_features: bool = False     # baseline: zero the target features
+    feature_scale: bool = True           # scale each feature dim by 1/RMS on training rows (folded into fc)
     steps: int = 1000
     batch_size: int = 8
     anchors_per_seq: int = 16
@@ -133,7 +135,7 @@ def make_model_args(c: TrainConfig, target_args) -> dict:
     d = method_defaults(c.method, target_args.n_layer)
     return dict(
         model_type=c.method, dim=target_args.dim, n_layer=c.n_layer, n_head=target_args.n_head,
-        n_kv_head=target_args.n_kv_head, head_dim=target_args.head_dim, ffn_dim=target_args.ffn_dim,
+        n_kv_head=target_args.n_kv_head, head_dim=target_args.head_dim, ffn_dim=c.ffn_dim or target_args.ffn_dim,
         vocab_size=target_args.vocab_size, draft_vocab_size=c.draft_vocab_size,
         target_layers=list(c.target_layers or d["target_layers"]), target_dim=target_args.dim,
         block_size=c.block_size or d["block_size"], n_categories=c.n_categories,
@@ -431,6 +433,15 @@ def train(c: TrainConfig, target=None, progress: bool = True, source=None) -> di
         counts = source.label_counts(margs["vocab_size"])
         d2t = torch.from_numpy(np.argsort(-counts, kind="stable")[: margs["draft_vocab_size"]].copy())
         model.vocab.set_vocab(d2t, target.head_weight)
+    if c.feature_scale and not c.no_target_features:
+        # 1/RMS per feature dimension over up to 64 training rows, positions 1..len-1 (position 0
+        # carries the attention-sink outliers); a checkpoint resumed below keeps its own scale
+        n_train = max(1, int(len(source.lengths) * (1 - c.heldout_frac)))
+        idx = np.random.default_rng(c.seed).permutation(n_train)[:64]
+        feats, lengths = source.rows(idx)["feats"], source.lengths[idx]
+        pos = np.arange(feats.shape[1])
+        model.fit_feature_scale(torch.from_numpy(
+            feats[(pos[None] >= 1) & (pos[None] < lengths[:, None])].astype(np.float32)))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=c.lr,
                             weight_decay=c.weight_decay, betas=(0.9, 0.95))
     step, history = 0, []

@@ -70,7 +70,8 @@ def test_training_steps_on_the_fly(tiny, tmp_path):
     rows = src.rows
     src.rows = lambda idx: calls.append(len(idx)) or rows(idx)
     res = train(cfg, target=target, progress=False, source=src)
-    assert len(calls) == 3 and res["blocks"] > 0  # two training batches + one held-out batch
+    # the feature-scale fit, two training batches, one held-out batch
+    assert len(calls) == 4 and res["blocks"] > 0
     meta = json.loads((tmp_path / "otf" / "drafter.json").read_text())
     assert meta["step"] == 2 and meta["config"]["features"] == "on-the-fly"
     # the draft vocabulary comes from the text's token counts (no greedy labels before training)
