@@ -23,10 +23,8 @@ Conventions checked here:
   * rope: both NEOX (rotate_half) on absolute positions, context rows at their own positions, the
     block [last, MASK...] at last_pos .. last_pos + B - 1; non-causal block attention over all
     context rows; scale head_dim^-0.5; SiLU-gated MLP; one rms eps for every norm. Same.
-  * QK-norm: DFlash RMS-normalises q and k per head (Qwen3 q_norm/k_norm), context k included.
-    blockspec DBlast has no QK-norm (models/drafter.DraftAttention), and a nonlinear per-row norm
-    cannot be folded into the projections, so a checkpoint with q_norm/k_norm is refused until
-    DraftAttention grows an optional QK-norm (then `_QK_NORM` maps it).
+  * QK-norm: DFlash RMS-normalises q and k per head (Qwen3 q_norm/k_norm), context k included,
+    before rope; a checkpoint with q_norm/k_norm becomes a DBlast with qk_norm = True (same order).
   * also refused: attention biases, non-SiLU activations, rope scaling, sliding-window layers,
     embedding/logit/value scales, an own embed_tokens table.
 """
@@ -81,8 +79,8 @@ def _refuse(what: str) -> None:
     raise BlockspecError(f"cannot map this DFlash checkpoint onto blockspec DBlast exactly: {what}")
 
 
-def map_state_dict(state: dict, n_layer: int, has_qk_norm: bool) -> dict:
-    """Their tensor names -> ours; refuses unknown tensors and QK-norm when ours lacks it."""
+def map_state_dict(state: dict, n_layer: int) -> dict:
+    """Their tensor names -> ours; refuses unknown tensors."""
     out = {}
     for name, t in state.items():
         n = name[len("model."):] if name.startswith("model.") else name
@@ -96,9 +94,6 @@ def map_state_dict(state: dict, n_layer: int, has_qk_norm: bool) -> dict:
                 out[f"layers.{m.group(1)}.{_LAYER[rest]}"] = t
                 continue
             if rest in _QK_NORM:
-                if not has_qk_norm:
-                    _refuse(f"it normalises q and k per head (q_norm/k_norm, Qwen3 QK-norm: {name}); "
-                            "DBlast attention has no QK-norm")
                 out[f"layers.{m.group(1)}.{_QK_NORM[rest]}"] = t
                 continue
             if rest.endswith(".bias"):
@@ -167,7 +162,6 @@ def load_dflash_hf(ckpt_dir: str | os.PathLike, target_gguf: str | os.PathLike):
     import torch
 
     from blockspec.models.dblast import DBlast, ModelArgs
-    from blockspec.models.drafter import DraftAttention
 
     d = Path(ckpt_dir)
     cfg = _config(d)
@@ -178,8 +172,7 @@ def load_dflash_hf(ckpt_dir: str | os.PathLike, target_gguf: str | os.PathLike):
     H, L = int(cfg["hidden_size"]), int(cfg["num_hidden_layers"])
     n_head = int(cfg["num_attention_heads"])
     state = _read_safetensors(d)
-    has_qk = hasattr(DraftAttention(8, 2, 1, 4, 10000.0), "q_norm")
-    mapped = map_state_dict(state, L, has_qk)
+    mapped = map_state_dict(state, L)
 
     targs, embed = _target_info(target_gguf)
     if targs.dim != H:
@@ -214,7 +207,7 @@ def load_dflash_hf(ckpt_dir: str | os.PathLike, target_gguf: str | os.PathLike):
         ffn_dim=int(cfg["intermediate_size"]), vocab_size=targs.vocab_size, draft_vocab_size=vd,
         target_layers=ours, target_dim=targs.dim, block_size=int(dc.get("block_size", cfg.get("block_size", 16))),
         n_categories=1, rope_base=float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
-        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)))
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), qk_norm="layers.0.attn.q_norm.weight" in mapped)
     model = DBlast(args)
     mapped["mask_embedding"] = mask
     if vd:

@@ -269,6 +269,12 @@ class DBlastConverter(DrafterConverter):
         super().set_gguf_parameters(w)
         w.add_uint32(Keys.of(Keys.N_CATEGORIES, self.arch), int(self.args.n_categories))
 
+    @classmethod
+    def args_from_gguf(cls, reader, tensors):
+        args = super().args_from_gguf(reader, tensors)
+        args["qk_norm"] = "blk.0.attn_q_norm.weight" in tensors  # the norms' presence is the flag
+        return args
+
 
 def _add(w, key: str, value, kind: str) -> None:
     import gguf

@@ -91,6 +91,8 @@ _SPECBLOCK = [
 ]
 _DBLAST = [
     (r"mask_embedding", "blockspec.mask_embd"),
+    (r"layers\.(\d+)\.attn\.q_norm\.weight", "blk.{i}.attn_q_norm.weight"),  # only with qk_norm
+    (r"layers\.(\d+)\.attn\.k_norm\.weight", "blk.{i}.attn_k_norm.weight"),
     (r"category_prior\.weight", "blockspec.cat_prior.weight"),
     (r"category_prior\.bias", "blockspec.cat_prior.bias"),
     (r"category_expander\.weight", "blockspec.cat_expander.weight"),

@@ -34,11 +34,9 @@ writes weights of ones, so upstream computes softmax(rms(q)·rms(k)/sqrt(d)) whe
 softmax(q·k/sqrt(d)): per query/key row the logits are rescaled by 1/(rms(q) rms(k)), which
 changes attention sharpness (not which key scores highest for a query). Numbers from upstream's
 engine on these weights are therefore upstream running a QK-normalised twin of our drafter, not
-a bit-exact replay; a drafter trained with QK-norm (DraftAttention growing q_norm/k_norm, as
-DFlash has) would export exactly (`attn.q_norm` / `attn.k_norm` are mapped when present).
-`qk_normed` below makes the torch DBlast compute upstream's function; tests/test_converters.py runs
-upstream's dflash graph in process on an export and matches it (f16 K/V rounding only), while
-plain DBlast logits on the same input differ by up to ~6 on a scaled random drafter.
+a bit-exact replay. A DBlast trained with `--qk-norm` (per-head q/k RMSNorm, as DFlash has)
+exports exactly: tests/test_converters.py runs upstream's dflash graph in process on such an
+export and matches our module (f16 K/V rounding only).
 """
 
 from __future__ import annotations
@@ -193,33 +191,3 @@ def export_upstream_dflash(model_or_ckpt, out_path: str | os.PathLike, target: s
                 w.add_tensor(f"blk.{i}.attn_q_norm.weight", np.ones(a.head_dim, np.float32))
                 w.add_tensor(f"blk.{i}.attn_k_norm.weight", np.ones(a.head_dim, np.float32))
     return out
-
-
-class qk_normed:
-    """Context manager: inside it, every DBlast computes what upstream's dflash graph computes on
-    the exported weights, i.e. q and k RMS-normalised per head (weights of ones) before attention.
-    Rope rotates pairs of a head vector, so it keeps the head's RMS: normalising after rope (what
-    this patch does) equals upstream's normalise-then-rope. For measuring the difference:
-        with qk_normed(model.args.norm_eps): upstream_logits = model(...).logits
-    """
-
-    def __init__(self, eps: float):
-        self.eps = eps
-
-    def __enter__(self):
-        from blockspec.models import drafter
-
-        self._orig = drafter.apply_rope
-        orig, eps = self._orig, self.eps
-
-        def rope_then_rms(x, cos, sin, neox):
-            y = orig(x, cos, sin, neox).float()
-            return (y * (y.pow(2).mean(-1, keepdim=True) + eps).rsqrt()).to(x.dtype)
-
-        drafter.apply_rope = rope_then_rms
-        return self
-
-    def __exit__(self, *exc):
-        from blockspec.models import drafter
-
-        drafter.apply_rope = self._orig

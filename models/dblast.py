@@ -42,6 +42,7 @@ class ModelArgs:
     target_dim: int = 576
     block_size: int = 5                 # B: the block is [last, MASK x (B-1)] -> B-1 drafted tokens
     n_categories: int = 1               # Kz; 1 = plain DFlash
+    qk_norm: bool = False               # per-head q/k RMSNorm (DFlash's; exports to upstream exactly)
     rope_base: float = 10000.0
     norm_eps: float = 1e-6
 

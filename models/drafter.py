@@ -49,9 +49,14 @@ class DraftCache:
 class DraftAttention(nn.Module):
     """Block queries attend to [context K/V ; block K/V]; NEOX rope on absolute positions."""
 
-    def __init__(self, dim: int, n_head: int, n_kv_head: int, head_dim: int, rope_base: float):
+    def __init__(self, dim: int, n_head: int, n_kv_head: int, head_dim: int, rope_base: float,
+                 qk_norm: bool = False, eps: float = 1e-6):
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim, self.rope_base = n_head, n_kv_head, head_dim, rope_base
+        # optional per-head RMSNorm of q and k before rope (Qwen3 / DFlash; upstream's dflash graph
+        # always applies it, so a DBlast trained with it exports to upstream's layout exactly)
+        self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
         self.wq = nn.Linear(dim, n_head * head_dim, bias=False)
         self.wk = nn.Linear(dim, n_kv_head * head_dim, bias=False)
         self.wv = nn.Linear(dim, n_kv_head * head_dim, bias=False)
@@ -62,17 +67,22 @@ class DraftAttention(nn.Module):
         B, S, _ = ctx.shape
         pos = torch.arange(start, start + S, device=ctx.device).expand(B, S)
         cos, sin = rope_cos_sin(pos, self.head_dim, self.rope_base)
-        k = self.wk(ctx).view(B, S, self.n_kv_head, self.head_dim).transpose(1, 2)
+        k = self._norm(self.k_norm, self.wk(ctx).view(B, S, self.n_kv_head, self.head_dim).transpose(1, 2))
         v = self.wv(ctx).view(B, S, self.n_kv_head, self.head_dim).transpose(1, 2)
         return apply_rope(k, cos, sin, neox=True), v
+
+    @staticmethod
+    def _norm(norm, x):
+        return x if norm is None else norm(x)
 
     def forward(self, x, pos, ctx_k, ctx_v, mask):
         """x [B, M, H] block rows at absolute positions pos [B, M]; ctx_k/v [B, Hkv, S, D];
         mask [B, 1, M, S + M] bool -> [B, M, H]."""
         B, M, _ = x.shape
         cos, sin = rope_cos_sin(pos, self.head_dim, self.rope_base)
-        q = apply_rope(self.wq(x).view(B, M, self.n_head, self.head_dim).transpose(1, 2), cos, sin, True)
-        k = apply_rope(self.wk(x).view(B, M, self.n_kv_head, self.head_dim).transpose(1, 2), cos, sin, True)
+        q = self._norm(self.q_norm, self.wq(x).view(B, M, self.n_head, self.head_dim).transpose(1, 2))
+        k = self._norm(self.k_norm, self.wk(x).view(B, M, self.n_kv_head, self.head_dim).transpose(1, 2))
+        q, k = apply_rope(q, cos, sin, True), apply_rope(k, cos, sin, True)
         v = self.wv(x).view(B, M, self.n_kv_head, self.head_dim).transpose(1, 2)
         k = torch.cat([ctx_k, k], dim=2)  # [B, Hkv, S + M, D]
         v = torch.cat([ctx_v, v], dim=2)
@@ -82,10 +92,10 @@ class DraftAttention(nn.Module):
 class DraftLayer(nn.Module):
     """Pre-norm transformer layer of the drafter (attention over context + block, SiLU MLP)."""
 
-    def __init__(self, dim, n_head, n_kv_head, head_dim, ffn_dim, rope_base, eps):
+    def __init__(self, dim, n_head, n_kv_head, head_dim, ffn_dim, rope_base, eps, qk_norm=False):
         super().__init__()
         self.attn_norm = RMSNorm(dim, eps)
-        self.attn = DraftAttention(dim, n_head, n_kv_head, head_dim, rope_base)
+        self.attn = DraftAttention(dim, n_head, n_kv_head, head_dim, rope_base, qk_norm, eps)
         self.ffn_norm = RMSNorm(dim, eps)
         self.ffn = MLP(dim, ffn_dim)
 
@@ -183,7 +193,8 @@ class BlockDrafter(nn.Module):
         self.register_buffer("feat_scale", torch.ones(len(args.target_layers) * args.target_dim))
         self.cond_norm = RMSNorm(H, args.norm_eps)
         self.layers = nn.ModuleList(
-            DraftLayer(H, args.n_head, args.n_kv_head, args.head_dim, args.ffn_dim, args.rope_base, args.norm_eps)
+            DraftLayer(H, args.n_head, args.n_kv_head, args.head_dim, args.ffn_dim, args.rope_base, args.norm_eps,
+                       getattr(args, "qk_norm", False))
             for _ in range(args.n_layer))
         self.norm = RMSNorm(H, args.norm_eps)
         self.vocab = DraftVocab(H, args.vocab_size, args.draft_vocab_size)

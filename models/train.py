@@ -55,6 +55,7 @@ class TrainConfig:
     draft_vocab_size: int = 8192         # 0: share the target's head
     target_layers: list = field(default_factory=list)  # empty: the method's default
     n_categories: int = 1                # dblast Kz
+    qk_norm: bool = False                # dblast: per-head q/k RMSNorm (DFlash's, upstream-dflash exact)
     loss: str = "nll"                    # nll | al (acceptance-length surrogate)
     nll_weight: float = 0.1              # NLL kept beside the AL surrogate (stabilises the start)
     tau: float = 1e-3                    # AL truncation threshold
@@ -100,6 +101,8 @@ def check_config(c: TrainConfig) -> None:
         raise BlockspecError(f"--features {c.features!r}: expected one of {', '.join(FEATURE_SOURCES)}")
     if c.features == "cache" and not c.data:
         raise BlockspecError("--features cache needs --data DIR (a cache from `blockspec train features`)")
+    if c.qk_norm and c.method != "dblast":
+        raise BlockspecError(f"--qk-norm: a DBlast option (upstream dflash's attention), not {c.method}'s")
     if c.cross_block_weight:
         if c.method != "specblock":
             raise BlockspecError(f"--cross-block-weight: cross-block training is SpecBlock's, not {c.method}'s")
@@ -138,7 +141,7 @@ def make_model_args(c: TrainConfig, target_args) -> dict:
         n_kv_head=target_args.n_kv_head, head_dim=target_args.head_dim, ffn_dim=c.ffn_dim or target_args.ffn_dim,
         vocab_size=target_args.vocab_size, draft_vocab_size=c.draft_vocab_size,
         target_layers=list(c.target_layers or d["target_layers"]), target_dim=target_args.dim,
-        block_size=c.block_size or d["block_size"], n_categories=c.n_categories,
+        block_size=c.block_size or d["block_size"], n_categories=c.n_categories, qk_norm=c.qk_norm,
         norm_eps=target_args.norm_eps,
     )
 

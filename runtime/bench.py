@@ -11,6 +11,9 @@ Per method and temperature (sums over the prompts that method completed):
 - tokens_per_s: generated tokens / generation seconds (prefill excluded);
 - speedup_vs_plain: tokens_per_s / plain's tokens_per_s over the same prompts in this run;
 - draft_fraction: drafting time / (drafting + verifying) (ours only; null for peers);
+- draft_cost: drafting seconds per draft (one per target pass after the prefill) / plain's seconds
+  per generated token over the same prompts in this run: what one block costs in target tokens
+  (ours only; the drafter's own overheads included, e.g. its feature pass);
 - lossless (T = 0 only): every prompt's output equals plain's (ours: token ids, up to max_tokens;
   peers: text, plain's being a prefix of the peer's when plain stopped at max_tokens). A peer is
   compared with OUR plain output, so it also reflects upstream's prefill split: the tool decodes
@@ -210,8 +213,8 @@ def _add_hist(a: list[int], b: list[int]) -> list[int]:
 def _summarize(name: str, temp: float, recs: dict[int, Record], plain: dict[int, Record],
                error: str | None) -> dict:
     run = {"method": name, "temperature": temp, "n_prompts": len(recs), "n_tokens": 0, "tau": None,
-           "tokens_per_s": None, "speedup_vs_plain": None, "draft_fraction": None, "lossless": None,
-           "accept_hist": []}
+           "tokens_per_s": None, "speedup_vs_plain": None, "draft_fraction": None, "draft_cost": None,
+           "lossless": None, "accept_hist": []}
     if error:
         run["error"] = error
     if not recs:
@@ -229,6 +232,9 @@ def _summarize(name: str, temp: float, recs: dict[int, Record], plain: dict[int,
     if all(r.draft_s is not None for r in recs.values()):
         busy = sum(r.draft_s + r.verify_s for r in recs.values())
         run["draft_fraction"] = sum(r.draft_s for r in recs.values()) / busy if busy > 0 else 0.0
+        drafts = sum(max(0, r.passes - 1) for r in recs.values())
+        if drafts and base_tps and run["draft_fraction"]:
+            run["draft_cost"] = sum(r.draft_s for r in recs.values()) / drafts * base_tps
     if temp <= 0:  # unknown (null) where plain itself failed on a prompt
         same = [r.same_as_plain for r in recs.values()]
         run["lossless"] = None if None in same else all(same)
@@ -458,7 +464,7 @@ def format_table(result: dict) -> str:
         return f"{'-':>{width + len(suffix)}}" if v is None else format(v, spec) + suffix
 
     head = f"{'method':<24} {'T':>4} {'n':>3} {'tokens':>6} {'tau':>5} {'tok/s':>7} {'speedup':>7} " \
-           f"{'draft%':>6} {'lossless':>8}  accept_hist"
+           f"{'draft%':>6} {'d/tok':>5} {'lossless':>8}  accept_hist"
     lines = [head, "-" * len(head)]
     for r in result["runs"]:
         ll = {True: "yes", False: "NO", None: "-"}[r["lossless"]]
@@ -466,7 +472,7 @@ def format_table(result: dict) -> str:
         tail = f"error: {r['error']}" if r.get("error") else str(r["accept_hist"])
         lines.append(f"{r['method']:<24} {r['temperature']:>4g} {r['n_prompts']:>3} {r['n_tokens']:>6} "
                      f"{f(r['tau'], '5.2f')} {f(r['tokens_per_s'], '7.1f')} {f(r['speedup_vs_plain'], '6.2f', 'x')} "
-                     f"{f(df, '6.1f')} {ll:>8}  {tail}")
+                     f"{f(df, '6.1f')} {f(r.get('draft_cost'), '5.2f')} {ll:>8}  {tail}")
     m = result["machine"]
     lines.append(f"machine: {m['cpu']}, {m['cores']} cores, {m['threads']} threads, build {m['llama_cpp_build']} "
                  f"({m['backend']}), python {m['python']}, torch {m['torch']}, {m['date']}")

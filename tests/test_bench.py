@@ -14,7 +14,7 @@ from blockspec.runtime.errors import BlockspecError
 from conftest import run_cli
 
 RUN_KEYS = {"method", "temperature", "n_prompts", "n_tokens", "tau", "tokens_per_s", "speedup_vs_plain",
-            "draft_fraction", "lossless", "accept_hist"}
+            "draft_fraction", "draft_cost", "lossless", "accept_hist"}
 MACHINE_KEYS = {"cpu", "cores", "threads", "llama_cpp_build", "backend", "python", "torch", "date"}
 
 
@@ -29,7 +29,7 @@ def _prompts_file(tmp_path, n=2):
 def test_bench_smoke(tmp_path):
     prompts = _prompts_file(tmp_path)
     out_json, out_png = tmp_path / "out" / "bench.json", tmp_path / "out" / "bench.png"
-    res = run_cli("bench", "--prompts", str(prompts), "--methods", "plain,ngram", "--temperatures", "0,1",
+    res = run_cli("bench", "--prompts", str(prompts), "--methods", "plain,ngram,specblock", "--temperatures", "0,1",
                   "--max-tokens", "8", "--n-prompts", "2", "--json", str(out_json), "--plot", str(out_png),
                   "--no-progress", env={"BLOCKSPEC_THREADS": "1"}, timeout=120)
     assert res.returncode == 0, res.stderr
@@ -37,7 +37,7 @@ def test_bench_smoke(tmp_path):
     assert MACHINE_KEYS <= set(data["machine"])
     assert data["machine"]["threads"] == 1
     runs = {(r["method"], r["temperature"]): r for r in data["runs"]}
-    assert set(runs) == {(m, t) for m in ("plain", "ngram") for t in (0.0, 1.0)}
+    assert set(runs) == {(m, t) for m in ("plain", "ngram", "specblock") for t in (0.0, 1.0)}
     for (m, t), r in runs.items():
         assert RUN_KEYS <= set(r), r
         assert "error" not in r
@@ -52,6 +52,9 @@ def test_bench_smoke(tmp_path):
         assert r["lossless"] is (True if t == 0 else None)
     assert runs[("ngram", 0.0)]["lossless"] is True
     assert 0.0 <= runs[("ngram", 0.0)]["draft_fraction"] <= 1.0
+    # the shipped SpecBlock drafter: lossless, and a block costs a positive share of a plain token
+    assert runs[("specblock", 0.0)]["lossless"] is True
+    assert 0.0 < runs[("specblock", 0.0)]["draft_cost"] < 10.0
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "speedup" in res.stdout and "ngram" in res.stdout
 

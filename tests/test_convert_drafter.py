@@ -36,6 +36,8 @@ CASES = {
                        draft_vocab_size=0),
     "dblast-kz4-dv": dict(model_type="dblast", block_size=4, target_layers=[1, 2], n_categories=4,
                           draft_vocab_size=32),
+    "dblast-kz1-qk": dict(model_type="dblast", block_size=5, target_layers=[1, 3], n_categories=1,
+                          draft_vocab_size=0, qk_norm=True),
 }
 # stated tolerances for the rebuilt module's logits: max |diff| relative to max |logit|, and the
 # share of positions whose argmax is unchanged (random weights make many near-ties)
@@ -83,6 +85,8 @@ def make_drafter(case: str, seed: int = 0):
     with torch.no_grad():  # move every parameter off its init (norm weights of 1, zero biases)
         for p in m.parameters():
             p.add_(0.05 * torch.randn_like(p))
+        # a feature scale, which the converter folds into fc; powers of two keep f32 bit-exact
+        m.feat_scale.copy_(2.0 ** torch.randint(-3, 4, m.feat_scale.shape))
     if m.args.draft_vocab_size:
         m.vocab.set_vocab(torch.randperm(V)[:m.args.draft_vocab_size])
     return m.eval()
@@ -115,6 +119,10 @@ def expected_layout(args) -> dict:
                   "blockspec.rank_fc2.bias": ((len(a.rank_widths),), "f32")})
     else:
         t["blockspec.mask_embd"] = ((H,), "f32")
+        if a.qk_norm:
+            for i in range(a.n_layer):
+                t[f"blk.{i}.attn_q_norm.weight"] = ((a.head_dim,), "f32")
+                t[f"blk.{i}.attn_k_norm.weight"] = ((a.head_dim,), "f32")
         if a.n_categories > 1:
             kz = a.n_categories
             t.update({"blockspec.cat_prior.weight": ((kz, H), "mat"), "blockspec.cat_prior.bias": ((kz,), "f32"),

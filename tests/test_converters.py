@@ -192,13 +192,19 @@ def test_blockpilot_bad_file(tmp_path):
 
 
 # ------------------------------------------------------------------------------- upstream dflash
-def _dblast(n_layer=2, target_layers=(1, 3), block_size=4, seed=0):
+def _dblast(n_layer=2, target_layers=(1, 3), block_size=4, seed=0, qk_norm=False):
     from blockspec.models.dblast import DBlast, ModelArgs
 
     torch.manual_seed(seed)
-    return DBlast(ModelArgs(dim=64, n_layer=n_layer, n_head=4, n_kv_head=2, head_dim=16, ffn_dim=128,
-                            vocab_size=VOCAB, target_layers=list(target_layers), target_dim=64,
-                            block_size=block_size, norm_eps=1e-6))
+    m = DBlast(ModelArgs(dim=64, n_layer=n_layer, n_head=4, n_kv_head=2, head_dim=16, ffn_dim=128,
+                         vocab_size=VOCAB, target_layers=list(target_layers), target_dim=64,
+                         block_size=block_size, norm_eps=1e-6, qk_norm=qk_norm))
+    if qk_norm:  # norm weights off their init, so the export must carry them
+        with torch.no_grad():
+            for layer in m.layers:
+                layer.attn.q_norm.weight.uniform_(0.5, 1.5)
+                layer.attn.k_norm.weight.uniform_(0.5, 1.5)
+    return m
 
 
 def test_upstream_dflash_export_loads_in_upstream(llama_q, tmp_path):
@@ -268,8 +274,8 @@ def _zlab_dir(tmp_path, qk_norm: bool, ids=(0, 2), mask_id=7):
                          ("mlp.gate_proj", (ff, H)), ("mlp.up_proj", (ff, H)), ("mlp.down_proj", (H, ff))]:
             s[p + n + ".weight"] = torch.randn(*shape) / math.sqrt(shape[1])
         if qk_norm:
-            s[p + "self_attn.q_norm.weight"] = torch.ones(hd)
-            s[p + "self_attn.k_norm.weight"] = torch.ones(hd)
+            s[p + "self_attn.q_norm.weight"] = 1 + 0.1 * torch.randn(hd)
+            s[p + "self_attn.k_norm.weight"] = 1 + 0.1 * torch.randn(hd)
     d = tmp_path / ("zlab-qk" if qk_norm else "zlab")
     d.mkdir()
     save_file(s, str(d / "model.safetensors"))
@@ -282,9 +288,10 @@ def _zlab_dir(tmp_path, qk_norm: bool, ids=(0, 2), mask_id=7):
 
 
 def _dflash_direct(s, cfg, feats, ctx_len, block_tokens, embed, head):
-    """DFlash's draft forward written out from its definition (z-lab DFlashDraftModel, no q/k norm):
+    """DFlash's draft forward written out from its definition (z-lab DFlashDraftModel):
     target_hidden = hidden_norm(fc(feats)); per layer, the block queries attend (non-causally) to
-    [k_proj(target_hidden); k_proj(block)] with NEOX rope at positions [0..ctx_len) and
+    [k_proj(target_hidden); k_proj(block)] (q and k per-head RMS-normed first where the checkpoint
+    has q_norm/k_norm) with NEOX rope at positions [0..ctx_len) and
     [ctx_len .. ctx_len + B); logits = head(norm(h)) of the MASK rows."""
     H, nh, nkv, hd = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     eps = cfg["rms_norm_eps"]
@@ -307,9 +314,11 @@ def _dflash_direct(s, cfg, feats, ctx_len, block_tokens, embed, head):
     for i in range(cfg["num_hidden_layers"]):
         p = f"layers.{i}."
         h = rms(x, s[p + "input_layernorm.weight"])
-        q = rope((h @ s[p + "self_attn.q_proj.weight"].T).view(B, nh, hd), pos_b)
-        k = torch.cat([rope((ctx @ s[p + "self_attn.k_proj.weight"].T).view(ctx_len, nkv, hd), pos_c),
-                       rope((h @ s[p + "self_attn.k_proj.weight"].T).view(B, nkv, hd), pos_b)])
+        qn, kn = s.get(p + "self_attn.q_norm.weight"), s.get(p + "self_attn.k_norm.weight")
+        qk = (lambda x, w: x) if qn is None else rms
+        q = rope(qk((h @ s[p + "self_attn.q_proj.weight"].T).view(B, nh, hd), qn), pos_b)
+        k = torch.cat([rope(qk((ctx @ s[p + "self_attn.k_proj.weight"].T).view(ctx_len, nkv, hd), kn), pos_c),
+                       rope(qk((h @ s[p + "self_attn.k_proj.weight"].T).view(B, nkv, hd), kn), pos_b)])
         v = torch.cat([(ctx @ s[p + "self_attn.v_proj.weight"].T).view(ctx_len, nkv, hd),
                        (h @ s[p + "self_attn.v_proj.weight"].T).view(B, nkv, hd)])
         k, v = k.repeat_interleave(nh // nkv, 1), v.repeat_interleave(nh // nkv, 1)
@@ -322,15 +331,17 @@ def _dflash_direct(s, cfg, feats, ctx_len, block_tokens, embed, head):
     return rms(x, s["norm.weight"])[1:] @ head.T
 
 
-def test_zlab_dflash_mapping_matches_direct(llama_q, tmp_path):
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_zlab_dflash_mapping_matches_direct(llama_q, tmp_path, qk_norm):
     from blockspec.converters.dflash_hf import is_dflash_hf, load_dflash_hf
     from blockspec.models.target import load_target
 
-    d, s, cfg = _zlab_dir(tmp_path, qk_norm=False)
+    d, s, cfg = _zlab_dir(tmp_path, qk_norm=qk_norm)
     assert is_dflash_hf(d)
     model = load_dflash_hf(d, llama_q)
     a = model.args
     assert a.target_layers == [1, 3] and a.n_categories == 1 and a.block_size == 4 and a.draft_vocab_size == 0
+    assert a.qk_norm is qk_norm
     tgt = load_target(llama_q, emulate_ggml=False)
     embed, head = tgt.tok_embeddings.weight, tgt.head_weight
     model.bind_target(embed, head)
@@ -349,9 +360,6 @@ def test_zlab_dflash_mapping_matches_direct(llama_q, tmp_path):
 def test_zlab_dflash_refusals(llama_q, tmp_path):
     from blockspec.converters.dflash_hf import load_dflash_hf
 
-    d, _, _ = _zlab_dir(tmp_path, qk_norm=True)
-    with pytest.raises(BlockspecError, match="q_norm"):
-        load_dflash_hf(d, llama_q)
     # id 3 reads HF hidden_states[4] (after the final norm) of a 4-layer target: no tap has it
     d, _, _ = _zlab_dir(tmp_path, qk_norm=False, ids=(0, 3))
     with pytest.raises(BlockspecError, match="past the last tappable"):
@@ -398,23 +406,23 @@ def test_cli_drafter_our_checkpoint_both_layouts(llama_q, tmp_path):
 
 def test_upstream_dflash_graph_runs_export(llama_q, tmp_path):
     """Upstream's own dflash graph (llama.cpp, in process: feature rows injected with llama_process,
-    then the block [last, MASK x 3]) on the export equals our DBlast with per-head q/k RMS norm (the
-    one difference the layout cannot express), and the mask id never wins."""
+    then the block [last, MASK x 3]) on the export of a DBlast trained with q/k norm (--qk-norm)
+    equals our DBlast, and the mask id never wins."""
     import ctypes
 
     import llama_cpp as ll
 
-    from blockspec.converters.upstream_dflash import export_upstream_dflash, qk_normed
+    from blockspec.converters.upstream_dflash import export_upstream_dflash
     from blockspec.models.target import load_target
 
-    model = _dblast().eval()
+    model = _dblast(qk_norm=True).eval()
     out = export_upstream_dflash(model, tmp_path / "dflash.gguf", target=llama_q, outtype="f32")
     tgt = load_target(llama_q, emulate_ggml=False)
     model.bind_target(tgt.tok_embeddings.weight, tgt.head_weight)
     torch.manual_seed(3)
     S, last = 7, 42
     feats = torch.randn(1, S, 128)
-    with torch.no_grad(), qk_normed(model.args.norm_eps):
+    with torch.no_grad():
         twin = model(feats, torch.tensor([[S - 1]]), torch.tensor([[last]])).logits[0, 0, 0].numpy()
 
     mdl = ll.llama_model_load_from_file(str(out).encode(), ll.llama_model_default_params())

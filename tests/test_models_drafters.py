@@ -15,6 +15,7 @@ CONFIGS = {
     "specblock_l3_dvocab": dict(TINY, model_type="specblock", block_size=3, n_layer=3, draft_vocab_size=20),
     "dblast": dict(TINY, model_type="dblast", block_size=5, n_categories=1),
     "dblast_kz3": dict(TINY, model_type="dblast", block_size=4, n_categories=3, draft_vocab_size=20),
+    "dblast_qk": dict(TINY, model_type="dblast", block_size=5, n_categories=1, qk_norm=True),
 }
 
 
