@@ -90,14 +90,11 @@ def _encode(w, name: str, arr: np.ndarray, outtype: str) -> None:
 
 
 def _load_model(model_or_ckpt):
+    """A drafter module, a `blockspec train` checkpoint dir or a blockspec drafter GGUF -> module."""
     if isinstance(model_or_ckpt, (str, os.PathLike)):
-        from blockspec.models.train import load_drafter
+        from blockspec.runtime.drafters_torch import load_checkpoint
 
-        d = Path(model_or_ckpt)
-        if not (d / "drafter.json").is_file():
-            raise BlockspecError(f"{d} is not a blockspec drafter checkpoint (no drafter.json)")
-        model, _ = load_drafter(d)
-        return model
+        return load_checkpoint(model_or_ckpt)[0]
     return model_or_ckpt
 
 

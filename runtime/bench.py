@@ -49,6 +49,7 @@ class Method:
     branches: int = 1
     needs_drafter: bool = False
     peer: PeerSpec | None = None
+    shipped: str | None = None  # the shipped drafter used without --drafter (default: `base`'s)
 
 
 # The one place a method name is parsed. `-tree` variants branch (ngram: merged matches; specblock:
@@ -63,6 +64,8 @@ METHODS: dict[str, Method] = {
     "specblock-tree": Method("specblock", branches=4, needs_drafter=True),
     "dblast": Method("dblast", needs_drafter=True),
     "dblast-tree": Method("dblast", branches=4, needs_drafter=True),
+    # plain DFlash (one category, q/k norm): the weights llama.cpp-dflash runs in upstream's engine
+    "dblast-kz1": Method("dblast", needs_drafter=True, shipped="dblast-kz1"),
     # the tool refuses --spec-type none; an n-gram lookup longer than any prompt never drafts, so
     # this is upstream's plain decoding through the same tool, sampler and timing
     "llama.cpp-plain": Method("peer", peer=PeerSpec("ngram-simple", ("--spec-ngram-simple-size-n", "1024",
@@ -72,7 +75,9 @@ METHODS: dict[str, Method] = {
     "llama.cpp-ngram-default": Method("peer", peer=PeerSpec("ngram-simple")),
     "llama.cpp-draft": Method("peer", needs_drafter=True,
                               peer=PeerSpec("draft-simple", ("--spec-draft-n-max", "{block_size}"), needs_drafter=True)),
-    "llama.cpp-dflash": Method("peer", needs_drafter=True, peer=PeerSpec("draft-dflash", needs_drafter=True)),
+    # a blockspec DBlast GGUF (default: the shipped dblast-kz1) runs as its upstream-dflash export
+    "llama.cpp-dflash": Method("peer", needs_drafter=True, shipped="dblast-kz1",
+                               peer=PeerSpec("draft-dflash", needs_drafter=True)),
 }
 
 PROMPT_SETS = {
@@ -171,6 +176,29 @@ def _gguf_path(path: Path) -> str:
         if f.read(4) != b"GGUF":
             raise BlockspecError(f"draft model is not a GGUF file: {path}")
     return str(path)
+
+
+def upstream_dflash_export(path: str, target: Path) -> Path:
+    """`path` as upstream's dflash engine reads it: a blockspec DBlast GGUF is exported to the
+    upstream layout once (cached by file content); any other GGUF is taken as already upstream's."""
+    import hashlib
+
+    from blockspec.runtime.gguf_header import GGUFHeader
+    from blockspec.runtime.modelfile import cache_dir
+
+    if GGUFHeader(str(path)).fields.get("general.architecture") != "dblast":
+        return Path(path)
+    h = hashlib.sha256()
+    for p in (path, target):
+        with open(p, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    out = cache_dir() / "exports" / f"dflash-{h.hexdigest()[:16]}.gguf"
+    if not out.is_file():
+        from blockspec.converters.upstream_dflash import export_upstream_dflash
+
+        export_upstream_dflash(path, out, target=target, outtype="q8_0")
+    return out
 
 
 # ---------------------------------------------------------------------------------------- running
@@ -305,12 +333,14 @@ def run_bench(prompts: str, *, methods: str | Sequence[str] = "plain,ngram",
     drafters = {}
     for n in names:
         m = METHODS[n]
-        path = _drafter_for(n, paths) or (shipped_drafter(m.base) if m.needs_drafter else None)
+        path = _drafter_for(n, paths) or (shipped_drafter(m.shipped or m.base) if m.needs_drafter else None)
         if m.needs_drafter and not path:
             errors[n] = f"needs --drafter {n}=PATH"
         elif m.base == "peer" and path:
             try:  # a fetched model name (qwen2.5-coder-0.5b) or a GGUF path
                 paths[n] = _gguf_path(resolve_model(path))
+                if m.peer.spec_type == "draft-dflash":
+                    paths[n] = str(upstream_dflash_export(paths[n], resolve_model(model)))
             except BlockspecError as e:
                 errors[n] = str(e)
         elif m.base not in ("plain", "peer"):

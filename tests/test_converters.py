@@ -457,3 +457,19 @@ def test_upstream_dflash_graph_runs_export(llama_q, tmp_path):
     # f32 weights; llama.cpp keeps K/V in f16 (measured max 0.03 on a scaled random drafter)
     np.testing.assert_allclose(got[:, :VOCAB], twin, atol=0.05)
     assert (got[:, :VOCAB].argmax(-1) == twin.argmax(-1)).all()
+
+
+def test_bench_exports_blockspec_dblast_for_upstream(llama_q, tmp_path, monkeypatch):
+    """The bench's llama.cpp-dflash peer takes a blockspec DBlast GGUF: exported to upstream's
+    layout once (cached by content), an upstream GGUF passed through untouched."""
+    from blockspec.converters.drafter import convert_drafter
+    from blockspec.runtime.bench import upstream_dflash_export
+
+    monkeypatch.setenv("BLOCKSPEC_CACHE", str(tmp_path / "cache"))
+    ours = convert_drafter(_dblast(qk_norm=True), tmp_path / "kz1.gguf", "q8_0", target=llama_q)
+    up = upstream_dflash_export(str(ours), llama_q)
+    assert up.parent == tmp_path / "cache" / "exports"
+    assert gguf.GGUFReader(str(up)).fields["general.architecture"].contents() == "dflash"
+    stamp = up.stat().st_mtime_ns
+    assert upstream_dflash_export(str(ours), llama_q) == up and up.stat().st_mtime_ns == stamp
+    assert upstream_dflash_export(str(up), llama_q) == up
