@@ -122,40 +122,65 @@ def read_drafter_header(path: str | os.PathLike) -> dict:
 
 
 class GgmlBlockDrafter(Drafter):
-    """The context half shared by ggml block drafters: model, drafter context, feature rows."""
+    """The context half shared by ggml block drafters: model, drafter context, feature rows.
+
+    Subclasses say which file llama.cpp loads (`model_file`: the drafter GGUF itself, or a form
+    made for the target), whether the context borrows the target's tensors (`share_target`) and
+    how many drafted tokens a block holds (`n_predict`)."""
 
     backend = "ggml"
+    share_target = True  # ctx_other = the target's context (its embeddings / head)
+    causal = True
 
     def __init__(self, path: str | os.PathLike, block_size: int | None = None, n_ctx: int | None = None,
                  n_threads: int | None = None, kv_type: str = "f16", flash_attn: bool = False):
-        from blockspec.runtime.target import _LOG_STATE, _install_log_callback, safe_extra_bufts
-
         self.header = h = read_drafter_header(path)
         self.path = h["path"]
         self.name = h["arch"]
         self.target_layers = tuple(h["target_layers"])
-        self.n_predict = h["block_size"]
+        self.n_predict = self.block_predicts(h)
         self.block_size = self.n_predict if block_size is None else max(1, min(int(block_size), self.n_predict))
         self.n_feat = len(self.target_layers) * h["target_dim"]
         self.d2t = h["d2t"]
         if kv_type not in _KV_TYPES:
             raise ValueError(f"kv_type must be one of {', '.join(_KV_TYPES)}")
         self._opts = dict(n_ctx=n_ctx, n_threads=n_threads, kv_type=kv_type, flash_attn=flash_attn)
+        self._ctx = None
+        self._batch = None
+        self._model = None
+        self._model_path = None
+        self._target = None
+        self.tokens: list[int] = []
+        self._feats = np.zeros((0, self.n_feat), dtype=np.float32)
+        self._load(self.model_file(None))
 
+    @staticmethod
+    def block_predicts(header: dict) -> int:
+        return int(header["block_size"])
+
+    def model_file(self, target) -> str | None:
+        """The GGUF llama.cpp loads for `target` (None: not known before the target is)."""
+        return self.path
+
+    def _load(self, path: str | None) -> None:
+        from blockspec.runtime.target import _LOG_STATE, _install_log_callback, safe_extra_bufts
+
+        if path is None or path == self._model_path:
+            return
         ll = _raw()
+        if self._model is not None:
+            ll.llama_model_free(self._model)
+            self._model = None
         _install_log_callback(False)
         mp = ll.llama_model_default_params()
         mp.n_gpu_layers = -1
         mp.use_extra_bufts = safe_extra_bufts()
-        self._ctx = None
-        self._batch = None
         _LOG_STATE["errors"] = []
-        self._model = ll.llama_model_load_from_file(self.path.encode(), mp)
+        self._model = ll.llama_model_load_from_file(str(path).encode(), mp)
         if not self._model:
-            raise BlockspecError(f"llama.cpp could not load drafter {self.path}: {_load_error()}")
+            raise BlockspecError(f"llama.cpp could not load drafter {path}: {_load_error()}")
+        self._model_path = path
         self._target = None
-        self.tokens: list[int] = []           # token at each cached position
-        self._feats = np.zeros((0, self.n_feat), dtype=np.float32)  # feature rows of those positions
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
@@ -195,20 +220,24 @@ class GgmlBlockDrafter(Drafter):
             ll.llama_batch_ext_free(self._batch)
             ll.llama_free(self._ctx)
             self._ctx = self._batch = None
+        self._load(self.model_file(target))
         o = self._opts
         cp = ll.llama_context_default_params()
-        cp.n_ctx = int(o["n_ctx"] or target.n_ctx) + self.n_predict
+        cp.n_ctx = int(o["n_ctx"] or target.n_ctx) + self.n_predict + 1
         cp.n_batch = cp.n_ubatch = 512
         cp.n_seq_max = 1
         threads = o["n_threads"] or getattr(target, "n_threads", None) or int(os.environ.get("BLOCKSPEC_THREADS", 0)) or 1
         cp.n_threads = cp.n_threads_batch = int(threads)
         cp.type_k = cp.type_v = _KV_TYPES[o["kv_type"]]
         cp.flash_attn_type = 1 if o["flash_attn"] else 0
-        cp.ctx_other = target.ctx
+        if self.share_target:
+            cp.ctx_other = target.ctx
         self._ctx = ll.llama_init_from_model(self._model, cp)
         if not self._ctx:
             raise BlockspecError(f"llama.cpp could not create a drafter context for {self.path}: "
                                  f"{_last_llama_error()}")
+        if not self.causal:
+            ll.llama_set_causal_attn(self._ctx, False)
         self._batch = ll.llama_batch_ext_init(self._ctx)
         self._n_batch = cp.n_batch
         self._target = target
@@ -348,7 +377,85 @@ class GgmlSpecBlockDrafter(GgmlBlockDrafter):
         return DraftTree.best_first(root, cand, cand_lp, self.max_nodes)
 
 
-GGML_DRAFTERS = {"specblock": GgmlSpecBlockDrafter}
+class GgmlDFlashDrafter(GgmlBlockDrafter):
+    """DBlast with one category (plain DFlash) in llama.cpp, through upstream's own `dflash` graph
+    run on the drafter's upstream export (converters/upstream_dflash.py, made once per target and
+    cached). Exact for a DBlast trained with --qk-norm, the only kind accepted: upstream's graph
+    always normalises q and k. Feature batches as for SpecBlock; the block batch is the tokens
+    [x[t+1], MASK x (B-1)] at positions t+1..t+B, whose rows 1..B-1 give logits over the target
+    vocabulary (plus the mask id, at -inf). The greedy chain of the block, like the torch backend
+    with one branch."""
+
+    name = "dblast"
+    share_target = False  # the export carries its embeddings and head
+    causal = False
+
+    def __init__(self, path, block_size: int | None = None, **ctx_opts):
+        h = read_drafter_header(path)
+        if h["arch"] != "dblast":
+            raise BlockspecError(f"{path} is a {h['arch']} drafter, not dblast")
+        if not ggml_runs(h):
+            raise BlockspecError(f"{path}: the ggml backend runs DBlast through upstream's dflash graph, which has "
+                                 f"one category and q/k norm; this drafter has {h['n_categories']} categories"
+                                 f"{'' if h.get('qk_norm') else ' and no q/k norm'} (use --drafter-backend torch)")
+        super().__init__(path, block_size, **ctx_opts)
+        self.mask_id = int(h["vocab_size"])
+        self.max_nodes = self.block_size
+        self.max_leaves = 1
+
+    @staticmethod
+    def block_predicts(header: dict) -> int:
+        return int(header["block_size"]) - 1
+
+    def model_file(self, target) -> str | None:
+        if target is None:
+            return None
+        from blockspec.runtime.bench import upstream_dflash_export
+
+        return str(upstream_dflash_export(self.path, Path(target.path)))
+
+    def block_logits(self, history: Sequence[int]) -> np.ndarray:
+        """Logits [n_predict, V + 1] of the block rooted at history[-1]."""
+        ll = _raw()
+        t = self._anchor(history)
+        b = self._batch
+        ll.llama_batch_ext_clear(b)
+        pos = (ctypes.c_int32 * 4)()
+        for k, tok in enumerate([int(history[-1])] + [self.mask_id] * self.n_predict):
+            idx = ll.llama_batch_ext_add_token(b, MAIN_SEQ, tok)
+            pos[0] = t + 1 + k
+            ll.llama_batch_ext_set_pos(b, idx, pos)
+            # every row: with row 0 left out, the first drafted row's logits came back wrong (measured)
+            ll.llama_batch_ext_set_output_logits(b, idx, True)
+        try:
+            rc = ll.llama_process(self._ctx, ll.LLAMA_PROCESS_TYPE_DECODE, b)
+            if rc != 0:
+                raise RuntimeError(f"dblast drafter: block batch at position {t + 1} failed ({rc})")
+            n_vocab = ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(self._model))
+            rows = []
+            for k in range(1, self.n_predict + 1):  # batch indices of the MASK rows
+                ptr = ll.llama_get_logits_ith(self._ctx, k)
+                if not ptr:
+                    raise RuntimeError(f"dblast drafter: no logits for block row {k}")
+                rows.append(np.ctypeslib.as_array(ptr, shape=(n_vocab,)).copy())
+            return np.stack(rows)
+        finally:
+            ll.llama_memory_seq_rm(ll.llama_get_memory(self._ctx), MAIN_SEQ, t + 1, -1)
+
+    def propose(self, history: Sequence[int]) -> DraftTree:
+        ids = self.block_logits(history)[:self.block_size].argmax(-1)
+        return DraftTree.chain(int(history[-1]), ids.tolist())
+
+
+GGML_DRAFTERS = {"specblock": GgmlSpecBlockDrafter, "dblast": GgmlDFlashDrafter}
+
+
+def ggml_runs(header: dict) -> bool:
+    """Whether the ggml backend runs this drafter (its header): SpecBlock always (patch 0006);
+    DBlast when upstream's dflash graph computes it exactly (one category, q/k norm)."""
+    if header["arch"] == "dblast":
+        return int(header.get("n_categories", 1)) == 1 and bool(header.get("qk_norm"))
+    return header["arch"] in GGML_DRAFTERS
 
 
 def make_ggml_drafter(method: str, path: str | os.PathLike, block_size: int | None = None,
@@ -358,9 +465,6 @@ def make_ggml_drafter(method: str, path: str | os.PathLike, block_size: int | No
     if h_arch != method:
         raise BlockspecError(f"{path} is a {h_arch} drafter GGUF, not {method}")
     kind = GGML_DRAFTERS.get(method)
-    if kind is None:
-        raise BlockspecError(f"--method {method}: the ggml drafter backend has no {method} graph yet "
-                             f"(available: {', '.join(GGML_DRAFTERS)}; use --drafter-backend torch)")
     if method == "specblock":
         d = kind(path, block_size, tree=branches > 1, max_nodes=1, **ctx_opts)
         if branches > 1:
