@@ -13,7 +13,7 @@ Per method and temperature (sums over the prompts that method completed):
 - draft_fraction: drafting time / (drafting + verifying) (ours only; null for peers);
 - draft_cost: drafting seconds per draft (one per target pass after the prefill) / plain's seconds
   per generated token over the same prompts in this run: what one block costs in target tokens
-  (ours only; the drafter's own overheads included, e.g. its feature pass);
+  (ours only; the drafter's pass over the committed rows included);
 - lossless (T = 0 only): every prompt's output equals plain's (ours: token ids, up to max_tokens;
   peers: text, plain's being a prefix of the peer's when plain stopped at max_tokens). A peer is
   compared with OUR plain output, so it also reflects upstream's prefill split: the tool decodes

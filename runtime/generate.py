@@ -28,7 +28,7 @@ class Stats:
     tau: float = 0.0  # new tokens per target pass (prefill included, so plain is exactly 1.0)
     target_passes: int = 0
     tokens_per_s: float = 0.0  # generated tokens / generation wall time (prefill excluded)
-    draft_s: float = 0.0
+    draft_s: float = 0.0  # the drafter: its proposals and its pass over the committed rows
     verify_s: float = 0.0
     draft_fraction: float = 0.0  # draft_s / (draft_s + verify_s)
     accept_hist: list[int] = field(default_factory=list)  # [k] = passes that accepted k drafted tokens

@@ -84,8 +84,10 @@ def speculative_steps(s) -> Iterator[list[int]]:
         finally:
             if not committed:
                 discard_tree(t, n_leaves, n_past)
-        s.stats.verify_s += time.perf_counter() - t1
+        t2 = time.perf_counter()
+        s.stats.verify_s += t2 - t1
         rows = [0, *verdict.accepted]
         d.observe([tree.tokens[i] for i in rows], n_past, {lid: f[rows] for lid, f in feats.items()} or None)
+        s.stats.draft_s += time.perf_counter() - t2  # the drafter's own pass over the committed rows
         s.stats.record_pass(len(verdict.accepted))
         yield [tree.tokens[i] for i in verdict.accepted] + [verdict.token]
