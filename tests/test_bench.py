@@ -64,6 +64,8 @@ def test_prompts_jsonl_and_errors(tmp_path):
     assert msgs[0] == [{"role": "user", "content": "Repeat after me three times: the red fox runs, the red fox runs."}]
     assert msgs[1][0]["content"].startswith("List the numbers")
     assert len(load_prompts(str(_prompts_file(tmp_path)), n_prompts=1)) == 1
+    both = load_prompts(f"{_prompts_file(tmp_path)},{_prompts_file(tmp_path)}", n_prompts=1)  # each source
+    assert both == [msgs[0], msgs[0]]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "no prompt key"}\n')
     with pytest.raises(BlockspecError, match=r"bad.jsonl:1: .*\"prompt\""):
