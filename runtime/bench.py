@@ -50,22 +50,27 @@ class Method:
     needs_drafter: bool = False
     peer: PeerSpec | None = None
     shipped: str | None = None  # the shipped drafter used without --drafter (default: `base`'s)
+    auto: bool = False  # --block-size auto: each step's depth from measured costs (runtime/policy.py)
 
 
 # The one place a method name is parsed. `-tree` variants branch (ngram: merged matches; specblock:
-# rank-head tree of up to block_size * branches nodes; dblast: one branch per sampled category).
+# rank-head tree of up to block_size * branches nodes; dblast: one branch per sampled category);
+# `-auto` variants draft a chain whose depth a measured cost model picks each step (0: plain).
 # llama.cpp-ngram uses our ngram's settings (3-token lookup, block_size drafted) so the comparison
 # is engine against engine; llama.cpp-ngram-default keeps upstream's defaults.
 METHODS: dict[str, Method] = {
     "plain": Method("plain"),
     "ngram": Method("ngram"),
     "ngram-tree": Method("ngram", branches=3),
+    "ngram-auto": Method("ngram", auto=True),
     "specblock": Method("specblock", needs_drafter=True),
     "specblock-tree": Method("specblock", branches=4, needs_drafter=True),
+    "specblock-auto": Method("specblock", needs_drafter=True, auto=True),
     "dblast": Method("dblast", needs_drafter=True),
     "dblast-tree": Method("dblast", branches=4, needs_drafter=True),
     # plain DFlash (one category, q/k norm): the weights llama.cpp-dflash runs in upstream's engine
     "dblast-kz1": Method("dblast", needs_drafter=True, shipped="dblast-kz1"),
+    "dblast-kz1-auto": Method("dblast", needs_drafter=True, shipped="dblast-kz1", auto=True),
     # the tool refuses --spec-type none; an n-gram lookup longer than any prompt never drafts, so
     # this is upstream's plain decoding through the same tool, sampler and timing
     "llama.cpp-plain": Method("peer", peer=PeerSpec("ngram-simple", ("--spec-ngram-simple-size-n", "1024",
@@ -348,7 +353,8 @@ def run_bench(prompts: str, *, methods: str | Sequence[str] = "plain,ngram",
                 errors[n] = str(e)
         elif m.base not in ("plain", "peer"):
             try:
-                drafters[n] = make_drafter(m.base, path, block_size=block_size, branches=m.branches)
+                drafters[n] = make_drafter(m.base, path, block_size="auto" if m.auto else block_size,
+                                           branches=m.branches)
             except BlockspecError as e:
                 errors[n] = str(e)
     tool = None

@@ -39,7 +39,8 @@ def cli():
 @click.option("--drafter", "drafter", default=None, help="drafter checkpoint (GGUF or torch checkpoint dir)")
 @click.option("--drafter-backend", type=click.Choice(["torch", "ggml"]), default=None,
               help="where a model drafter runs [default: ggml for a GGUF drafter]")
-@click.option("--block-size", type=int, default=4, show_default=True, help="drafted tokens per block")
+@click.option("--block-size", default="4", show_default=True,
+              help="drafted tokens per block, or auto: each step's depth from measured costs")
 @click.option("--branches", type=int, default=1, show_default=True, help="tree branches (ngram: matches merged)")
 @click.option("--max-tokens", type=int, default=256, show_default=True)
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy")

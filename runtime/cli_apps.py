@@ -11,7 +11,8 @@ _METHOD_HELP = "drafter method: plain, ngram, ... [default: the --drafter's meth
 def _model_options(f):
     f = click.option("--verbose", is_flag=True, help="show llama.cpp's log")(f)
     f = click.option("--n-ctx", type=int, default=4096, show_default=True)(f)
-    f = click.option("--block-size", type=int, default=4, show_default=True, help="drafted tokens per block")(f)
+    f = click.option("--block-size", default="4", show_default=True,
+              help="drafted tokens per block, or auto: each step's depth from measured costs")(f)
     f = click.option("--drafter-backend", type=click.Choice(["torch", "ggml"]), default=None,
                      help="where a model drafter runs [default: ggml for a GGUF drafter]")(f)
     f = click.option("--method", default=None, help=_METHOD_HELP)(f)

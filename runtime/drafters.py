@@ -162,11 +162,40 @@ def default_method(model_path: str | None, drafter_path: str | None = None) -> s
     return arch
 
 
-def make_drafter(method: str, drafter_path: str | None = None, backend: str | None = None,
-                 block_size: int = 4, branches: int = 1) -> Drafter | None:
-    """The drafter for a `--method` (None for plain decoding)."""
+AUTO_NGRAM_DEPTH = 6  # the deepest n-gram draft `--block-size auto` considers
+
+
+def parse_block_size(value) -> int | str:
+    """`--block-size`: a positive number of drafted tokens, or "auto" (runtime/policy.py)."""
     from blockspec.runtime.errors import BlockspecError
 
+    if str(value).strip().lower() == "auto":
+        return "auto"
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        n = 0
+    if n < 1:
+        raise BlockspecError(f"--block-size {value!r}: expected a number of tokens >= 1, or auto")
+    return n
+
+
+def make_drafter(method: str, drafter_path: str | None = None, backend: str | None = None,
+                 block_size: int | str = 4, branches: int = 1) -> Drafter | None:
+    """The drafter for a `--method` (None for plain decoding). block_size "auto": the drafter's
+    deepest chain, each step's depth chosen by a measured cost model (runtime/policy.py)."""
+    from blockspec.runtime.errors import BlockspecError
+
+    block_size = parse_block_size(block_size)
+    if block_size == "auto":
+        if branches > 1:
+            raise BlockspecError("--block-size auto chooses the depth of a chain: use it with --branches 1")
+        from blockspec.runtime.policy import DepthPolicy
+
+        d = make_drafter(method, drafter_path, backend, AUTO_NGRAM_DEPTH if method == "ngram" else 10 ** 6)
+        if d is not None:
+            d.policy = DepthPolicy(d.block_size)
+        return d
     if method == "plain":
         return None
     if method == "ngram":

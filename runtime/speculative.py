@@ -63,10 +63,17 @@ def speculative_steps(s) -> Iterator[list[int]]:
     bonus = sample(s.logits, s.sampling, s.rng, s.tokens)  # the prefill pass's token
     s.stats.record_pass(0)
     yield [bonus]
+    policy = getattr(d, "policy", None)  # runtime/policy.py: --block-size auto (chains)
     while True:
         n_past = len(s.tokens) - 1  # the cache holds tokens[:-1]; the root is tokens[-1]
         t0 = time.perf_counter()
-        tree = d.propose(s.tokens)
+        depth = policy.depth() if policy is not None else None
+        if depth == 0:
+            tree = DraftTree([s.tokens[-1]], [-1])  # the drafter does not pay now: a plain step
+        else:
+            tree = d.propose(s.tokens)
+            if depth is not None:
+                tree = tree.prefix(depth + 1)  # a chain: root + depth drafted tokens
         t1 = time.perf_counter()
         s.stats.draft_s += t1 - t0
         # a batch larger than the target's exact limit would round differently from plain
@@ -86,6 +93,8 @@ def speculative_steps(s) -> Iterator[list[int]]:
                 discard_tree(t, n_leaves, n_past)
         t2 = time.perf_counter()
         s.stats.verify_s += t2 - t1
+        if policy is not None:
+            policy.record(len(tree) - 1, len(verdict.accepted), t2 - t1, t1 - t0 if depth else None, len(tree))
         rows = [0, *verdict.accepted]
         d.observe([tree.tokens[i] for i in rows], n_past, {lid: f[rows] for lid, f in feats.items()} or None)
         s.stats.draft_s += time.perf_counter() - t2  # the drafter's own pass over the committed rows

@@ -1,0 +1,121 @@
+"""`--block-size auto`: each step's draft depth from costs measured on this machine.
+
+A chain drafter proposes up to K tokens; drafting k of them (k = 0: a plain step, no draft) and
+verifying them costs
+
+    cost(k) = V(k + 1) + D * [k > 0]
+
+seconds, where V(n) is a target pass over n rows and D one draft, and yields on average
+
+    E(k) = 1 + sum_{j=1..k} P(the first j drafted tokens are all accepted)
+
+new tokens (the 1 is the target's own token, always produced). The policy drafts the k that
+maximises E(k) / cost(k), so when the drafter does not pay (short accepted prefixes, a steep
+verify-cost curve, as on a 2-core CPU) it falls back to plain steps instead of running slower.
+Verification is lossless for any draft, so the choice never changes the output.
+
+Estimates, all running (they follow the text and the machine):
+- V(n): exponential average of the measured pass time per n; an n never measured is read off the
+  straight line through the nearest measured sizes (one measured size: V scales with n from it);
+- D: exponential average of the measured draft time;
+- P(>= j) = c_1 * ... * c_j, where c_i, the chance that drafted token i is accepted once tokens
+  1..i-1 were, comes from decayed counts of the steps that reached token i (prior: one
+  pseudo-try at 1/2); a depth never reached takes the deepest estimated c (the drafter is
+  assumed to keep its quality, so the policy tries deeper when the measured depths pay).
+While plain steps win, every `explore`-th step still drafts at full depth, so the acceptance
+estimate can recover when the text becomes predictable.
+"""
+
+from __future__ import annotations
+
+DECAY = 0.97      # per-step decay of the acceptance counts (~30 steps of memory)
+ALPHA = 0.2       # weight of a new measurement in the time averages
+EXPLORE = 8       # while k = 0 wins, draft at full depth every EXPLORE-th step
+
+
+class DepthPolicy:
+    def __init__(self, max_depth: int, explore: int = EXPLORE):
+        if max_depth < 1:
+            raise ValueError("max_depth must be >= 1")
+        self.max_depth = max_depth
+        self.explore = explore
+        self.verify_s: dict[int, float] = {}   # rows -> average seconds of a target pass
+        self.draft_s: float | None = None
+        self.tries = [0.0] * (max_depth + 1)   # [j]: decayed steps that reached drafted token j
+        self.hits = [0.0] * (max_depth + 1)    # [j]: ... and accepted it
+        self._plain_run = 0
+        self.depths: list[int] = []            # the depth chosen at each step (for stats and tests)
+
+    # ------------------------------------------------------------------ estimates
+    def p_accept(self, j: int) -> float:
+        """P(the first j drafted tokens are all accepted)."""
+        p, c = 1.0, 0.5
+        for i in range(1, j + 1):
+            if self.tries[i] > 0:
+                c = (self.hits[i] + 0.5) / (self.tries[i] + 1.0)
+            p *= c
+        return p
+
+    def verify_cost(self, n: int) -> float | None:
+        """Estimated seconds of a target pass over n rows (None before any measurement)."""
+        if n in self.verify_s:
+            return self.verify_s[n]
+        if not self.verify_s:
+            return None
+        sizes = sorted(self.verify_s)
+        lo = max((m for m in sizes if m < n), default=None)
+        hi = min((m for m in sizes if m > n), default=None)
+        if lo is not None and hi is not None:  # between two measured sizes: the line through them
+            f = (n - lo) / (hi - lo)
+            return self.verify_s[lo] + f * (self.verify_s[hi] - self.verify_s[lo])
+        if len(sizes) >= 2:  # outside: the line through the two nearest
+            a, b = (sizes[-2], sizes[-1]) if hi is None else (sizes[0], sizes[1])
+            slope = (self.verify_s[b] - self.verify_s[a]) / (b - a)
+            return max(self.verify_s[a] + slope * (n - a), 1e-9)
+        m = sizes[0]
+        return self.verify_s[m] * n / m
+
+    def expected_rate(self, k: int) -> float | None:
+        """Estimated new tokens per second when drafting k tokens (None: costs not measured yet)."""
+        v = self.verify_cost(k + 1)
+        if v is None or (k > 0 and self.draft_s is None):
+            return None
+        tokens = 1.0 + sum(self.p_accept(j) for j in range(1, k + 1))
+        return tokens / (v + (self.draft_s if k > 0 else 0.0))
+
+    # ------------------------------------------------------------------ decisions
+    def depth(self) -> int:
+        """Draft depth for the next step."""
+        k = self._choose()
+        if k == 0:
+            self._plain_run += 1
+            if self._plain_run >= self.explore:
+                self._plain_run, k = 0, self.max_depth
+        else:
+            self._plain_run = 0
+        self.depths.append(k)
+        return k
+
+    def _choose(self) -> int:
+        if self.draft_s is None or self.max_depth + 1 not in self.verify_s:
+            return self.max_depth  # measure a full draft and its verify first
+        if 1 not in self.verify_s:
+            return 0  # and one plain step
+        rates = [self.expected_rate(k) for k in range(self.max_depth + 1)]
+        return max(range(len(rates)), key=lambda k: (rates[k], -k))
+
+    # ------------------------------------------------------------------ measurements
+    def record(self, drafted: int, accepted: int, verify_s: float, draft_s: float | None, rows: int) -> None:
+        """One step: `drafted` tokens proposed (after cuts), `accepted` of them taken, a target pass
+        over `rows` rows taking `verify_s`, and the draft taking `draft_s` (None: no draft)."""
+        self.verify_s[rows] = verify_s if rows not in self.verify_s else \
+            (1 - ALPHA) * self.verify_s[rows] + ALPHA * verify_s
+        if draft_s is not None:
+            self.draft_s = draft_s if self.draft_s is None else (1 - ALPHA) * self.draft_s + ALPHA * draft_s
+        if drafted:
+            for j in range(1, self.max_depth + 1):
+                self.tries[j] *= DECAY
+                self.hits[j] *= DECAY
+            for j in range(1, min(drafted, accepted + 1) + 1):  # tokens the target got to judge
+                self.tries[j] += 1.0
+                self.hits[j] += 1.0 if accepted >= j else 0.0

@@ -1,0 +1,93 @@
+"""`--block-size auto` (runtime/policy.py): the depth choice from measured costs, and that the engine
+driven by it stays lossless (greedy output == plain) whatever it chooses."""
+
+from __future__ import annotations
+
+import pytest
+
+from blockspec.runtime.drafters import make_drafter, parse_block_size
+from blockspec.runtime.errors import BlockspecError
+from blockspec.runtime.generate import generate
+from blockspec.runtime.policy import DepthPolicy
+from blockspec.runtime.prompt import prompt_tokens
+from blockspec.runtime.sampling import SamplingParams
+from blockspec.runtime.target import Target, TargetConfig
+
+from prompts import PROMPTS
+
+
+def simulate(policy: DepthPolicy, verify, draft: float, accept_prob: float, steps: int = 300) -> list[int]:
+    """Drive the policy with a synthetic machine: a pass over n rows costs verify(n) seconds, a
+    draft `draft` seconds, and each drafted token is accepted with `accept_prob` while the
+    previous ones were (a seeded generator)."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(steps):
+        k = policy.depth()
+        accepted = 0
+        while accepted < k and rng.random() < accept_prob:
+            accepted += 1
+        policy.record(k, accepted, verify(k + 1), draft if k else None, k + 1)
+    return policy.depths
+
+
+def test_falls_back_to_plain_when_drafts_do_not_pay():
+    # this CPU's curve (2.1x for 4 rows) and a drafter accepting 30% of its tokens
+    depths = simulate(DepthPolicy(4), lambda n: 0.014 * (1 + 0.37 * (n - 1)), 0.004, 0.3)
+    tail = depths[100:]
+    assert tail.count(0) / len(tail) > 0.8  # mostly plain steps ...
+    assert 4 in tail  # ... with a full-depth probe now and then
+
+
+def test_drafts_deep_when_verification_is_nearly_free():
+    # a GPU-like curve (16 rows cost about one) and a good drafter
+    depths = simulate(DepthPolicy(8), lambda n: 0.010 * (1 + 0.02 * (n - 1)), 0.001, 0.8)
+    assert sum(depths[50:]) / len(depths[50:]) > 6
+
+
+def test_picks_an_intermediate_depth():
+    # acceptance decays with depth: expected tokens flatten while the cost keeps growing
+    p = DepthPolicy(6)
+    p.verify_s = {n: 0.010 * (1 + 0.25 * (n - 1)) for n in range(1, 8)}
+    p.draft_s = 0.001
+    for j, q in enumerate([0.9, 0.7, 0.4, 0.2, 0.1, 0.05], start=1):  # conditional acceptance per depth
+        p.tries[j], p.hits[j] = 1000.0, 1000.0 * q
+    rates = [p.expected_rate(k) for k in range(7)]
+    assert 0 < p.depth() < 6 and p.depths[-1] == max(range(7), key=rates.__getitem__)
+
+
+def test_verify_cost_interpolates_measured_sizes():
+    p = DepthPolicy(4)
+    assert p.verify_cost(3) is None
+    p.record(0, 0, 1.0, None, 1)
+    assert p.verify_cost(3) == pytest.approx(3.0)  # one size: proportional
+    p.record(4, 0, 5.0, 0.1, 5)
+    assert p.verify_cost(3) == pytest.approx(3.0) and p.verify_cost(7) == pytest.approx(7.0)
+
+
+def test_block_size_values():
+    assert parse_block_size("auto") == "auto" and parse_block_size("3") == 3 and parse_block_size(5) == 5
+    for bad in ("0", "-2", "many"):
+        with pytest.raises(BlockspecError, match="--block-size"):
+            parse_block_size(bad)
+    with pytest.raises(BlockspecError, match="--branches 1"):
+        make_drafter("ngram", block_size="auto", branches=2)
+
+
+@pytest.fixture(scope="module")
+def target(smollm2_path):
+    with Target(smollm2_path, TargetConfig(n_ctx=512, n_seq_max=4)) as t:
+        yield t
+
+
+@pytest.mark.parametrize("method", ["ngram", "specblock"])
+def test_auto_is_lossless(target, method):
+    prompt = prompt_tokens(target, PROMPTS[1])
+    greedy = SamplingParams(temperature=0.0)
+    want = generate(target, prompt, max_tokens=40, sampling=greedy).tokens
+    d = make_drafter(method, block_size="auto")  # specblock: the shipped drafter
+    assert d.policy.max_depth == d.block_size
+    got = generate(target, prompt, max_tokens=40, sampling=greedy, drafter=d)
+    assert got.tokens == want
+    assert len(d.policy.depths) >= 2 and d.policy.depths[0] == d.block_size  # measured a full draft first
