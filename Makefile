@@ -95,6 +95,7 @@ drafters: train-specblock train-dblast train-dblast-kz1
 # `make bench-qwen`: upstream's draft-model speculation (Qwen2.5-Coder 1.5B with its 0.5B) beside
 # plain and n-gram decoding on that target. BENCH_N prompts of each set.
 BENCH_OUT ?= bench
+BENCH_QWEN_OUT ?= bench-qwen
 BENCH_N ?= 5
 BENCH_METHODS = plain,ngram,specblock,specblock-tree,specblock-auto,dblast,dblast-tree,dblast-kz1,llama.cpp-plain,llama.cpp-ngram,llama.cpp-dflash
 .PHONY: bench bench-tools bench-qwen
@@ -109,4 +110,4 @@ bench-qwen: bench-tools
 	$(VENV)/bin/blockspec models fetch qwen2.5-coder-0.5b
 	$(VENV)/bin/blockspec bench --model qwen2.5-coder-1.5b --prompts humaneval,mtbench --n-prompts 2 \
 		--methods plain,ngram,llama.cpp-plain,llama.cpp-ngram,llama.cpp-draft --drafter llama.cpp-draft=qwen2.5-coder-0.5b \
-		--temperatures 0 --max-tokens 128 --json $(BENCH_OUT)-qwen.json --plot $(BENCH_OUT)-qwen.png
+		--temperatures 0 --max-tokens 128 --json $(BENCH_QWEN_OUT).json --plot $(BENCH_QWEN_OUT).png
