@@ -72,7 +72,8 @@ def _stored(model, outtype: str):
         return ref
     with torch.no_grad():
         for name, p in ref.state_dict().items():
-            if p is None or name == "vocab.d2t" or keep_f32(torch_to_gguf_name(name, "specblock"), p.ndim):
+            if p is None or name in ("vocab.d2t", "feat_scale") or \
+                    keep_f32(torch_to_gguf_name(name, "specblock"), p.ndim):
                 continue
             x = p.float().numpy()
             if outtype == "q8_0" and x.shape[-1] % 32 == 0:
@@ -109,7 +110,7 @@ def write_gguf(model, path, outtype: str, target_path, skip_keys=()) -> str:
         else:
             w.add_key_value(key, [int(i) for i in v], gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.INT32)
     w.add_uint32(Keys.of(Keys.VALUE_LENGTH, arch), int(a.head_dim))
-    for name, t in model.state_dict().items():
+    for name, t in model.export_state().items():
         if t is None:
             continue
         g = torch_to_gguf_name(name, arch)
