@@ -188,3 +188,25 @@ def export_upstream_dflash(model_or_ckpt, out_path: str | os.PathLike, target: s
                 w.add_tensor(f"blk.{i}.attn_q_norm.weight", np.ones(a.head_dim, np.float32))
                 w.add_tensor(f"blk.{i}.attn_k_norm.weight", np.ones(a.head_dim, np.float32))
     return out
+
+
+def cached_export(path: str | os.PathLike, target: str | os.PathLike) -> Path:
+    """`path` as upstream's dflash engine reads it: a blockspec DBlast GGUF is exported to the
+    upstream layout once (q8_0, cached by the content of drafter and target under
+    $BLOCKSPEC_CACHE/exports); any other GGUF is taken as already upstream's."""
+    import hashlib
+
+    from blockspec.runtime.gguf_header import GGUFHeader
+    from blockspec.runtime.modelfile import cache_dir
+
+    if GGUFHeader(str(path)).fields.get("general.architecture") != "dblast":
+        return Path(path)
+    h = hashlib.sha256()
+    for p in (path, target):
+        with open(p, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    out = cache_dir() / "exports" / f"dflash-{h.hexdigest()[:16]}.gguf"
+    if not out.is_file():
+        export_upstream_dflash(path, out, target=target, outtype="q8_0")
+    return out

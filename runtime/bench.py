@@ -186,29 +186,6 @@ def _gguf_path(path: Path) -> str:
     return str(path)
 
 
-def upstream_dflash_export(path: str, target: Path) -> Path:
-    """`path` as upstream's dflash engine reads it: a blockspec DBlast GGUF is exported to the
-    upstream layout once (cached by file content); any other GGUF is taken as already upstream's."""
-    import hashlib
-
-    from blockspec.runtime.gguf_header import GGUFHeader
-    from blockspec.runtime.modelfile import cache_dir
-
-    if GGUFHeader(str(path)).fields.get("general.architecture") != "dblast":
-        return Path(path)
-    h = hashlib.sha256()
-    for p in (path, target):
-        with open(p, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-    out = cache_dir() / "exports" / f"dflash-{h.hexdigest()[:16]}.gguf"
-    if not out.is_file():
-        from blockspec.converters.upstream_dflash import export_upstream_dflash
-
-        export_upstream_dflash(path, out, target=target, outtype="q8_0")
-    return out
-
-
 # ---------------------------------------------------------------------------------------- running
 @dataclass
 class Record:
@@ -321,6 +298,7 @@ def run_bench(prompts: str, *, methods: str | Sequence[str] = "plain,ngram",
     """Run the bench; return {"runs": [...], "machine": {...}} (also written to `json_path`)."""
     from tqdm import tqdm
 
+    from blockspec.converters.upstream_dflash import cached_export
     from blockspec.runtime import bench_peers
     from blockspec.runtime.drafters import make_drafter, shipped_drafter
     from blockspec.runtime.modelfile import resolve_model
@@ -348,7 +326,7 @@ def run_bench(prompts: str, *, methods: str | Sequence[str] = "plain,ngram",
             try:  # a fetched model name (qwen2.5-coder-0.5b) or a GGUF path
                 paths[n] = _gguf_path(resolve_model(path))
                 if m.peer.spec_type == "draft-dflash":
-                    paths[n] = str(upstream_dflash_export(paths[n], resolve_model(model)))
+                    paths[n] = str(cached_export(paths[n], resolve_model(model)))
             except BlockspecError as e:
                 errors[n] = str(e)
         elif m.base not in ("plain", "peer"):

@@ -298,20 +298,17 @@ class GgmlBlockDrafter(Drafter):
                                f"the history has {t + 1} committed tokens")
         return t
 
-    def _run_block(self, t: int, last_token: int, n_rows: int, outputs: Sequence[str]) -> dict[str, np.ndarray]:
-        """One block batch anchored at t: {output name: [n_rows, width] float32}. The block's cache
-        rows are removed again before returning."""
-        from blockspec.runtime import llama_ext
-
+    def _block_pass(self, t: int, tokens: Sequence[int], read, emb=None):
+        """One block batch anchored at t: `tokens` at positions t+1.., every row an output (each
+        carrying the extra embedding `emb` when given); returns read() of the outputs, after which
+        the block's cache rows are removed again."""
         ll = _raw()
         b = self._batch
         ll.llama_batch_ext_clear(b)
-        row = np.ascontiguousarray(self._feats[t])
-        emb = ll.llama_embd(row.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), 1, self.n_feat)
         pos = (ctypes.c_int32 * 4)()
-        for k in range(n_rows):
-            idx = ll.llama_batch_ext_add_token(b, MAIN_SEQ, int(last_token))
-            if idx < 0 or not ll.llama_batch_ext_set_embd_token(b, idx, emb):
+        for k, tok in enumerate(tokens):
+            idx = ll.llama_batch_ext_add_token(b, MAIN_SEQ, int(tok))
+            if idx < 0 or (emb is not None and not ll.llama_batch_ext_set_embd_token(b, idx, emb)):
                 raise RuntimeError(f"{self.name} drafter: could not build the block batch ({idx})")
             pos[0] = t + 1 + k
             ll.llama_batch_ext_set_pos(b, idx, pos)
@@ -320,6 +317,20 @@ class GgmlBlockDrafter(Drafter):
             rc = ll.llama_process(self._ctx, ll.LLAMA_PROCESS_TYPE_DECODE, b)
             if rc != 0:
                 raise RuntimeError(f"{self.name} drafter: block batch at position {t + 1} failed ({rc})")
+            return read()
+        finally:
+            ll.llama_memory_seq_rm(ll.llama_get_memory(self._ctx), MAIN_SEQ, t + 1, -1)
+
+    def _run_block(self, t: int, last_token: int, n_rows: int, outputs: Sequence[str]) -> dict[str, np.ndarray]:
+        """One SpecBlock block batch anchored at t (n_rows rows of x[t+1] with the anchor's
+        features): {output name: [n_rows, width] float32}."""
+        from blockspec.runtime import llama_ext
+
+        ll = _raw()
+        row = np.ascontiguousarray(self._feats[t])
+        emb = ll.llama_embd(row.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), 1, self.n_feat)
+
+        def read():
             out = {}
             for name in outputs:
                 n = llama_ext.blockspec_get_graph_output(self._ctx, name.encode(), None, 0)
@@ -330,8 +341,8 @@ class GgmlBlockDrafter(Drafter):
                     self._ctx, name.encode(), buf.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), n)
                 out[name] = buf.reshape(n_rows, n // n_rows)
             return out
-        finally:
-            ll.llama_memory_seq_rm(ll.llama_get_memory(self._ctx), MAIN_SEQ, t + 1, -1)
+
+        return self._block_pass(t, [last_token] * n_rows, read, emb)
 
     def to_target(self, draft_ids: np.ndarray) -> np.ndarray:
         return draft_ids if self.d2t is None else self.d2t[draft_ids]
@@ -391,14 +402,14 @@ class GgmlDFlashDrafter(GgmlBlockDrafter):
     causal = False
 
     def __init__(self, path, block_size: int | None = None, **ctx_opts):
-        h = read_drafter_header(path)
+        super().__init__(path, block_size, **ctx_opts)  # loads nothing yet: the export needs the target
+        h = self.header
         if h["arch"] != "dblast":
             raise BlockspecError(f"{path} is a {h['arch']} drafter, not dblast")
         if not ggml_runs(h):
             raise BlockspecError(f"{path}: the ggml backend runs DBlast through upstream's dflash graph, which has "
                                  f"one category and q/k norm; this drafter has {h['n_categories']} categories"
                                  f"{'' if h.get('qk_norm') else ' and no q/k norm'} (use --drafter-backend torch)")
-        super().__init__(path, block_size, **ctx_opts)
         self.mask_id = int(h["vocab_size"])
         self.max_nodes = self.block_size
         self.max_leaves = 1
@@ -410,27 +421,17 @@ class GgmlDFlashDrafter(GgmlBlockDrafter):
     def model_file(self, target) -> str | None:
         if target is None:
             return None
-        from blockspec.runtime.bench import upstream_dflash_export
+        from blockspec.converters.upstream_dflash import cached_export
 
-        return str(upstream_dflash_export(self.path, Path(target.path)))
+        return str(cached_export(self.path, Path(target.path)))
 
     def block_logits(self, history: Sequence[int]) -> np.ndarray:
-        """Logits [n_predict, V + 1] of the block rooted at history[-1]."""
+        """Logits [n_predict, V + 1] of the block rooted at history[-1]. Every row of the block is
+        an output: with row 0 left out, the first drafted row's logits came back wrong (measured)."""
         ll = _raw()
         t = self._anchor(history)
-        b = self._batch
-        ll.llama_batch_ext_clear(b)
-        pos = (ctypes.c_int32 * 4)()
-        for k, tok in enumerate([int(history[-1])] + [self.mask_id] * self.n_predict):
-            idx = ll.llama_batch_ext_add_token(b, MAIN_SEQ, tok)
-            pos[0] = t + 1 + k
-            ll.llama_batch_ext_set_pos(b, idx, pos)
-            # every row: with row 0 left out, the first drafted row's logits came back wrong (measured)
-            ll.llama_batch_ext_set_output_logits(b, idx, True)
-        try:
-            rc = ll.llama_process(self._ctx, ll.LLAMA_PROCESS_TYPE_DECODE, b)
-            if rc != 0:
-                raise RuntimeError(f"dblast drafter: block batch at position {t + 1} failed ({rc})")
+
+        def read():
             n_vocab = ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(self._model))
             rows = []
             for k in range(1, self.n_predict + 1):  # batch indices of the MASK rows
@@ -439,8 +440,8 @@ class GgmlDFlashDrafter(GgmlBlockDrafter):
                     raise RuntimeError(f"dblast drafter: no logits for block row {k}")
                 rows.append(np.ctypeslib.as_array(ptr, shape=(n_vocab,)).copy())
             return np.stack(rows)
-        finally:
-            ll.llama_memory_seq_rm(ll.llama_get_memory(self._ctx), MAIN_SEQ, t + 1, -1)
+
+        return self._block_pass(t, [int(history[-1])] + [self.mask_id] * self.n_predict, read)
 
     def propose(self, history: Sequence[int]) -> DraftTree:
         ids = self.block_logits(history)[:self.block_size].argmax(-1)

@@ -463,13 +463,13 @@ def test_bench_exports_blockspec_dblast_for_upstream(llama_q, tmp_path, monkeypa
     """The bench's llama.cpp-dflash peer takes a blockspec DBlast GGUF: exported to upstream's
     layout once (cached by content), an upstream GGUF passed through untouched."""
     from blockspec.converters.drafter import convert_drafter
-    from blockspec.runtime.bench import upstream_dflash_export
+    from blockspec.converters.upstream_dflash import cached_export
 
     monkeypatch.setenv("BLOCKSPEC_CACHE", str(tmp_path / "cache"))
     ours = convert_drafter(_dblast(qk_norm=True), tmp_path / "kz1.gguf", "q8_0", target=llama_q)
-    up = upstream_dflash_export(str(ours), llama_q)
+    up = cached_export(str(ours), llama_q)
     assert up.parent == tmp_path / "cache" / "exports"
     assert gguf.GGUFReader(str(up)).fields["general.architecture"].contents() == "dflash"
     stamp = up.stat().st_mtime_ns
-    assert upstream_dflash_export(str(ours), llama_q) == up and up.stat().st_mtime_ns == stamp
-    assert upstream_dflash_export(str(up), llama_q) == up
+    assert cached_export(str(ours), llama_q) == up and up.stat().st_mtime_ns == stamp
+    assert cached_export(str(up), llama_q) == up
