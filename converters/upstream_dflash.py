@@ -1,6 +1,6 @@
-"""Export a DBlast drafter (n_categories == 1) in upstream llama.cpp's own `dflash` GGUF layout,
-so upstream's DFlash engine (`--spec-type draft-dflash`) can run OUR weights: the benchmark peer
-"same weights, their engine against ours".
+"""Export a DBlast drafter in upstream llama.cpp's own `dflash` GGUF layout, so upstream's DFlash
+engine (`--spec-type draft-dflash`) can run OUR weights (the benchmark peer "same weights, their
+engine against ours"), and so our ggml backend runs DBlast in that graph (runtime/drafters_ggml.py).
 
 What upstream's loader and graph need (pinned source: src/models/dflash.cpp, src/llama-model.cpp,
 common/speculative.cpp, conversion/qwen.py DFlashModel) and how each is written:
@@ -27,16 +27,20 @@ common/speculative.cpp, conversion/qwen.py DFlashModel) and how each is written:
                            the same injection as our DraftCache (rope NEOX on absolute positions,
                            1/sqrt(head_dim) scale, non-causal block over all context rows).
 
-The one difference that cannot be expressed: upstream's graph ALWAYS RMS-normalises q and k per
-head (build_norm runs ggml_rms_norm even when the weight is absent, and attn_q_norm/attn_k_norm
-are required tensors), as the Qwen3-based DFlash does; our DBlast has no QK-norm. The export
-writes weights of ones, so upstream computes softmax(rms(q)·rms(k)/sqrt(d)) where we compute
-softmax(q·k/sqrt(d)): per query/key row the logits are rescaled by 1/(rms(q) rms(k)), which
-changes attention sharpness (not which key scores highest for a query). Numbers from upstream's
-engine on these weights are therefore upstream running a QK-normalised twin of our drafter, not
-a bit-exact replay. A DBlast trained with `--qk-norm` (per-head q/k RMSNorm, as DFlash has)
-exports exactly: tests/test_converters.py runs upstream's dflash graph in process on such an
-export and matches our module (f16 K/V rounding only).
+Two things are blockspec's own, added to the dflash arch by ggml_patches/0008 (in the pinned
+build, so the bench's upstream tools have them too):
+  q/k norm                 upstream always RMS-normalises q and k per head (attn_q_norm/attn_k_norm
+                           required). A DBlast trained with `--qk-norm` writes them; one without
+                           omits them, and the patched graph skips the norm, so both run exactly.
+  categories (Kz > 1)      blockspec.category_prior.{weight,bias} [H -> Kz] and
+                           blockspec.category_expander.{weight,bias} [H -> Kz*H]: the graph gives the
+                           prior of the block's first row and, for the branches z set with
+                           blockspec_set_branch_z, the drafted rows' logits from h + expander(h)[z]
+                           (outputs "category_prior", "branch_logits"; no ordinary logits, so
+                           upstream's own engine cannot run a Kz > 1 export: our ggml backend does).
+                           A Kz = 1 export is plain DFlash, unchanged.
+Exactness: tests/test_converters.py and tests/test_ggml_dflash.py run the graph in process on such
+exports against our module (f16 K/V rounding only).
 """
 
 from __future__ import annotations
@@ -60,7 +64,9 @@ _LAYER = {
     "ffn.down_proj.weight": "ffn_down.weight",
 }
 _TOP = {"fc.weight": "fc.weight", "cond_norm.weight": "enc.output_norm.weight", "norm.weight": "output_norm.weight",
-        "vocab.lm_head.weight": "output.weight", "mask_embedding": None, "vocab.d2t": None}
+        "vocab.lm_head.weight": "output.weight", "mask_embedding": None, "vocab.d2t": None,
+        **{f"category_{part}.{p}": f"blockspec.category_{part}.{p}"
+           for part in ("prior", "expander") for p in ("weight", "bias")}}
 
 
 def gguf_name(torch_name: str) -> str | None:
@@ -109,9 +115,6 @@ def export_upstream_dflash(model_or_ckpt, out_path: str | os.PathLike, target: s
     a = model.args
     if getattr(a, "model_type", "") != "dblast":
         raise BlockspecError(f"--layout upstream-dflash exports DBlast drafters only, not {a.model_type!r}")
-    if a.n_categories != 1:
-        raise BlockspecError(f"upstream dflash has no category prior/expander: this DBlast has n_categories = "
-                             f"{a.n_categories} (only 1, plain DFlash, exports)")
     if outtype not in ("f32", "f16", "q8_0"):
         raise BlockspecError(f"unknown outtype {outtype!r} (f32, f16, q8_0)")
     tr = gguf.GGUFReader(str(target))
@@ -178,29 +181,26 @@ def export_upstream_dflash(model_or_ckpt, out_path: str | os.PathLike, target: s
             d2t = np.arange(V, dtype=np.int64)
         w.add_tensor("d2t", d2t)
 
-        has_qk = any(k.endswith("attn.q_norm.weight") for k in state)
         for name, arr in state.items():
             g = gguf_name(name)
             if g is not None:
                 _encode(w, g, arr, outtype)
-        if not has_qk:  # required by upstream's loader; ones (see the module docstring)
-            for i in range(a.n_layer):
-                w.add_tensor(f"blk.{i}.attn_q_norm.weight", np.ones(a.head_dim, np.float32))
-                w.add_tensor(f"blk.{i}.attn_k_norm.weight", np.ones(a.head_dim, np.float32))
     return out
 
 
 def cached_export(path: str | os.PathLike, target: str | os.PathLike) -> Path:
     """`path` as upstream's dflash engine reads it: a blockspec DBlast GGUF is exported to the
-    upstream layout once (q8_0, cached by the content of drafter and target under
-    $BLOCKSPEC_CACHE/exports); any other GGUF is taken as already upstream's."""
+    upstream layout once (in the drafter's own type: f32, f16 or q8_0; cached by the content of
+    drafter and target under $BLOCKSPEC_CACHE/exports); any other GGUF is taken as already upstream's."""
     import hashlib
 
     from blockspec.runtime.gguf_header import GGUFHeader
     from blockspec.runtime.modelfile import cache_dir
 
-    if GGUFHeader(str(path)).fields.get("general.architecture") != "dblast":
+    fields = GGUFHeader(str(path)).fields
+    if fields.get("general.architecture") != "dblast":
         return Path(path)
+    outtype = {0: "f32", 1: "f16"}.get(fields.get("general.file_type"), "q8_0")
     h = hashlib.sha256()
     for p in (path, target):
         with open(p, "rb") as f:
@@ -208,5 +208,5 @@ def cached_export(path: str | os.PathLike, target: str | os.PathLike) -> Path:
                 h.update(chunk)
     out = cache_dir() / "exports" / f"dflash-{h.hexdigest()[:16]}.gguf"
     if not out.is_file():
-        export_upstream_dflash(path, out, target=target, outtype="q8_0")
+        export_upstream_dflash(path, out, target=target, outtype=outtype)
     return out

@@ -54,7 +54,8 @@ class Method:
 
 
 # The one place a method name is parsed. `-tree` variants branch (ngram: merged matches; specblock:
-# rank-head tree of up to block_size * branches nodes; dblast: one branch per sampled category);
+# rank-head tree of up to block_size * branches nodes; dblast: one branch per category, the most
+# likely under the block's prior, on the ggml backend);
 # `-auto` variants draft a chain whose depth a measured cost model picks each step (0: plain).
 # llama.cpp-ngram uses our ngram's settings (3-token lookup, block_size drafted) so the comparison
 # is engine against engine; llama.cpp-ngram-default keeps upstream's defaults.

@@ -205,12 +205,8 @@ def make_drafter(method: str, drafter_path: str | None = None, backend: str | No
         if not drafter_path:
             raise BlockspecError(f"--method {method} needs --drafter PATH (a GGUF from `blockspec convert "
                                  f"drafter`, or a checkpoint dir from `blockspec train {method}`)")
-        if backend is None:  # llama.cpp where it has the drafter's graph (SpecBlock; DBlast as plain DFlash)
-            backend = "torch"
-            if str(drafter_path).endswith(".gguf"):
-                from blockspec.runtime.drafters_ggml import ggml_runs, read_drafter_header
-
-                backend = "ggml" if ggml_runs(read_drafter_header(drafter_path)) else "torch"
+        if backend is None:  # a GGUF drafter runs in llama.cpp (SpecBlock: patch 0006; DBlast: dflash + 0008)
+            backend = "ggml" if str(drafter_path).endswith(".gguf") else "torch"
         if backend == "ggml":
             from pathlib import Path
 

@@ -151,7 +151,7 @@ class GgmlBlockDrafter(Drafter):
         self._model_path = None
         self._target = None
         self.tokens: list[int] = []
-        self._feats = np.zeros((0, self.n_feat), dtype=np.float32)
+        self._feats = np.zeros((0, self.n_feat), dtype=np.float32)  # rows 0..len(tokens)-1 valid; grows by doubling
         self._load(self.model_file(None))
 
     @staticmethod
@@ -242,7 +242,6 @@ class GgmlBlockDrafter(Drafter):
         self._n_batch = cp.n_batch
         self._target = target
         self.tokens = []
-        self._feats = self._feats[:0]
 
     # ------------------------------------------------------------------ context
     def held_prefix(self, tokens) -> int:
@@ -254,7 +253,6 @@ class GgmlBlockDrafter(Drafter):
                 ll = _raw()
                 ll.llama_memory_seq_rm(ll.llama_get_memory(self._ctx), MAIN_SEQ, n, -1)
             del self.tokens[n:]
-            self._feats = self._feats[:n]
 
     def observe(self, tokens: Sequence[int], start: int, feats: dict[int, np.ndarray] | None) -> None:
         if self._ctx is None:
@@ -272,7 +270,12 @@ class GgmlBlockDrafter(Drafter):
         for i in range(0, len(tokens), self._n_batch):
             self._process_features(x[i:i + self._n_batch], start + i)
         self.tokens.extend(int(t) for t in tokens)
-        self._feats = np.concatenate([self._feats, x]) if len(self._feats) else x.copy()
+        n = len(self.tokens)
+        if n > len(self._feats):  # amortised: a copy per doubling, not per step
+            grown = np.empty((max(n, 2 * len(self._feats), 256), self.n_feat), dtype=np.float32)
+            grown[:start] = self._feats[:start]
+            self._feats = grown
+        self._feats[start:n] = x
 
     def _process_features(self, x: np.ndarray, p0: int) -> None:
         ll = _raw()
@@ -323,10 +326,12 @@ class GgmlBlockDrafter(Drafter):
 
     def _run_block(self, t: int, last_token: int, n_rows: int, outputs: Sequence[str]) -> dict[str, np.ndarray]:
         """One SpecBlock block batch anchored at t (n_rows rows of x[t+1] with the anchor's
-        features): {output name: [n_rows, width] float32}."""
+        features): {output name: [n_rows, width] float32}. The rank head runs only when its
+        output is asked for (patch 0008)."""
         from blockspec.runtime import llama_ext
 
         ll = _raw()
+        llama_ext.blockspec_set_rank_head(self._ctx, "rank_logits" in outputs)
         row = np.ascontiguousarray(self._feats[t])
         emb = ll.llama_embd(row.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), 1, self.n_feat)
 
@@ -371,10 +376,11 @@ class GgmlSpecBlockDrafter(GgmlBlockDrafter):
         return out["draft_logits"], out["rank_logits"]
 
     def propose(self, history: Sequence[int]) -> DraftTree:
-        logits, rank = self.block_outputs(history)
         root, K = int(history[-1]), self.block_size
-        if not self.tree:
+        if not self.tree:  # a chain needs the draft logits only
+            logits = self._run_block(self._anchor(history), root, K, ("draft_logits",))["draft_logits"]
             return DraftTree.chain(root, self.to_target(logits.argmax(-1)).tolist())
+        logits, rank = self.block_outputs(history)
         widths = self.rank_widths[rank.argmax(-1)]  # [K]
         m = logits.max(-1, keepdims=True)
         logp = logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True))
@@ -389,30 +395,31 @@ class GgmlSpecBlockDrafter(GgmlBlockDrafter):
 
 
 class GgmlDFlashDrafter(GgmlBlockDrafter):
-    """DBlast with one category (plain DFlash) in llama.cpp, through upstream's own `dflash` graph
-    run on the drafter's upstream export (converters/upstream_dflash.py, made once per target and
-    cached). Exact for a DBlast trained with --qk-norm, the only kind accepted: upstream's graph
-    always normalises q and k. Feature batches as for SpecBlock; the block batch is the tokens
-    [x[t+1], MASK x (B-1)] at positions t+1..t+B, whose rows 1..B-1 give logits over the target
-    vocabulary (plus the mask id, at -inf). The greedy chain of the block, like the torch backend
-    with one branch."""
+    """DBlast in llama.cpp, through upstream's `dflash` graph run on the drafter's upstream export
+    (converters/upstream_dflash.py, made once per target and cached), with patch 0008's additions:
+    q/k norm optional, and for Kz > 1 the category prior and expander. Feature batches as for
+    SpecBlock; the block batch is the tokens [x[t+1], MASK x (B-1)] at positions t+1..t+B.
+
+    Kz = 1 (plain DFlash): rows 1..B-1 of the ordinary logits, over the target vocabulary plus the
+    mask id (at -inf); the greedy chain. Kz > 1: `branches` categories, the most likely under the
+    block's own prior, chosen inside the graph (blockspec_set_branch_z(-1..-n)), each decoded
+    greedily from the same pass and merged into one tree: the torch backend's DBlastDrafter with
+    z_temperature 0."""
 
     name = "dblast"
     share_target = False  # the export carries its embeddings and head
     causal = False
 
-    def __init__(self, path, block_size: int | None = None, **ctx_opts):
+    def __init__(self, path, block_size: int | None = None, branches: int = 1, **ctx_opts):
         super().__init__(path, block_size, **ctx_opts)  # loads nothing yet: the export needs the target
         h = self.header
         if h["arch"] != "dblast":
             raise BlockspecError(f"{path} is a {h['arch']} drafter, not dblast")
-        if not ggml_runs(h):
-            raise BlockspecError(f"{path}: the ggml backend runs DBlast through upstream's dflash graph, which has "
-                                 f"one category and q/k norm; this drafter has {h['n_categories']} categories"
-                                 f"{'' if h.get('qk_norm') else ' and no q/k norm'} (use --drafter-backend torch)")
         self.mask_id = int(h["vocab_size"])
-        self.max_nodes = self.block_size
-        self.max_leaves = 1
+        self.n_categories = int(h.get("n_categories", 1))
+        self.branches = max(1, min(int(branches), self.n_categories))
+        self.max_nodes = self.block_size * self.branches
+        self.max_leaves = self.branches
 
     @staticmethod
     def block_predicts(header: dict) -> int:
@@ -425,11 +432,14 @@ class GgmlDFlashDrafter(GgmlBlockDrafter):
 
         return str(cached_export(self.path, Path(target.path)))
 
+    def _block(self, history: Sequence[int], read):
+        return self._block_pass(self._anchor(history), [int(history[-1])] + [self.mask_id] * self.n_predict, read)
+
     def block_logits(self, history: Sequence[int]) -> np.ndarray:
-        """Logits [n_predict, V + 1] of the block rooted at history[-1]. Every row of the block is
-        an output: with row 0 left out, the first drafted row's logits came back wrong (measured)."""
+        """Kz = 1: logits [n_predict, V + 1] of the block rooted at history[-1]. Every row of the
+        block is an output: with row 0 left out, the first drafted row's logits came back wrong
+        (measured)."""
         ll = _raw()
-        t = self._anchor(history)
 
         def read():
             n_vocab = ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(self._model))
@@ -441,22 +451,44 @@ class GgmlDFlashDrafter(GgmlBlockDrafter):
                 rows.append(np.ctypeslib.as_array(ptr, shape=(n_vocab,)).copy())
             return np.stack(rows)
 
-        return self._block_pass(t, [int(history[-1])] + [self.mask_id] * self.n_predict, read)
+        return self._block(history, read)
+
+    def branch_logits(self, history: Sequence[int], z: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Kz > 1: (prior logits [Kz], branch logits [n, n_predict, Vd]) of the block rooted at
+        history[-1], for categories z (default: the `branches` most likely under the prior).
+        Logits are over the draft vocabulary (to_target maps ids)."""
+        from blockspec.runtime import llama_ext
+
+        want = list(z) if z is not None else [-(i + 1) for i in range(self.branches)]
+        arr = (ctypes.c_int32 * len(want))(*want)
+        if llama_ext.blockspec_set_branch_z(self._ctx, arr, len(want)) != 0:
+            raise BlockspecError(f"dblast drafter: branch categories {want} are neither ids nor -1..-n")
+
+        def read():
+            out = {}
+            for name in ("category_prior", "branch_logits"):
+                n = llama_ext.blockspec_get_graph_output(self._ctx, name.encode(), None, 0)
+                if n < 0:
+                    raise RuntimeError(f"dblast drafter graph has no output {name!r} (llama.cpp without patch 0008?)")
+                buf = np.empty(n, dtype=np.float32)
+                llama_ext.blockspec_get_graph_output(self._ctx, name.encode(),
+                                                     buf.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), n)
+                out[name] = buf
+            return out
+
+        out = self._block(history, read)
+        return out["category_prior"], out["branch_logits"].reshape(len(want), self.n_predict, -1)
 
     def propose(self, history: Sequence[int]) -> DraftTree:
-        ids = self.block_logits(history)[:self.block_size].argmax(-1)
-        return DraftTree.chain(int(history[-1]), ids.tolist())
+        root = int(history[-1])
+        if self.n_categories == 1:
+            return DraftTree.chain(root, self.block_logits(history)[:self.block_size].argmax(-1).tolist())
+        _, logits = self.branch_logits(history)
+        paths = self.to_target(logits[:, :self.block_size].argmax(-1))
+        return DraftTree.from_paths(root, paths.tolist())
 
 
 GGML_DRAFTERS = {"specblock": GgmlSpecBlockDrafter, "dblast": GgmlDFlashDrafter}
-
-
-def ggml_runs(header: dict) -> bool:
-    """Whether the ggml backend runs this drafter (its header): SpecBlock always (patch 0006);
-    DBlast when upstream's dflash graph computes it exactly (one category, q/k norm)."""
-    if header["arch"] == "dblast":
-        return int(header.get("n_categories", 1)) == 1 and bool(header.get("qk_norm"))
-    return header["arch"] in GGML_DRAFTERS
 
 
 def make_ggml_drafter(method: str, path: str | os.PathLike, block_size: int | None = None,
@@ -472,4 +504,4 @@ def make_ggml_drafter(method: str, path: str | os.PathLike, block_size: int | No
             d.max_nodes = d.block_size * branches
             d.max_leaves = d.max_nodes
         return d
-    return kind(path, block_size, **ctx_opts)
+    return kind(path, block_size, branches=branches, **ctx_opts)

@@ -13,7 +13,7 @@ import ctypes
 from llama_cpp import llama_cpp as _raw
 
 # runtime needs at least this BLOCKSPEC_EXT_ABI level from the library
-REQUIRED_ABI = 2
+REQUIRED_ABI = 3
 
 _lib = _raw._lib
 _ctx_p = _raw.llama_context_p_ctypes
@@ -68,6 +68,17 @@ blockspec_memory_pack_tail = _bind(
 blockspec_get_graph_output = _bind(
     "blockspec_get_graph_output", [_ctx_p, ctypes.c_char_p, ctypes.POINTER(ctypes.c_float), ctypes.c_int64],
     ctypes.c_int64)
+
+
+# int32_t blockspec_set_branch_z(struct llama_context * ctx, const int32_t * z, int32_t n);
+# (patch 0008: the categories a DBlast block batch decodes; ids, or -1..-n = the n most likely)
+blockspec_set_branch_z = _bind(
+    "blockspec_set_branch_z", [_ctx_p, ctypes.POINTER(ctypes.c_int32), ctypes.c_int32], ctypes.c_int32)
+
+
+# void blockspec_set_rank_head(struct llama_context * ctx, bool on);
+# (patch 0008: a SpecBlock chain skips the rank head)
+blockspec_set_rank_head = _bind("blockspec_set_rank_head", [_ctx_p, ctypes.c_bool], None)
 
 
 def check_abi() -> int:

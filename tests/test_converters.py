@@ -225,8 +225,7 @@ def test_upstream_dflash_export_loads_in_upstream(llama_q, tmp_path):
     assert [int(s) for s in t["output.weight"].shape] == [64, VOCAB]
     assert t["d2t"].tensor_type.name == "I64" and (np.asarray(t["d2t"].data) == np.arange(VOCAB)).all()
     assert [int(s) for s in t["fc.weight"].shape] == [128, 64]
-    for i in range(2):
-        assert (np.asarray(t[f"blk.{i}.attn_q_norm.weight"].data) == 1).all()
+    assert not any("attn_q_norm" in n or "attn_k_norm" in n for n in t)  # no q/k norm: the patched graph skips it
     emb = dequantize_tensor(t["token_embd.weight"])
     np.testing.assert_array_equal(emb[VOCAB], model.mask_embedding.detach().numpy())
     np.testing.assert_allclose(emb[:VOCAB], dequantize_tensor(next(x for x in gguf.GGUFReader(str(llama_q)).tensors
@@ -244,16 +243,26 @@ def test_upstream_dflash_export_loads_in_upstream(llama_q, tmp_path):
         ll.llama_model_free(mdl)
 
 
-def test_upstream_dflash_refuses_categories(llama_q, tmp_path):
+def test_upstream_dflash_exports_categories(llama_q, tmp_path):
+    """DBlast's category prior and expander go into the dflash layout as blockspec.category_* and
+    load in the patched llama.cpp (0008); the graph itself is checked in tests/test_ggml_dflash.py."""
+    import llama_cpp as ll
+
     from blockspec.converters.upstream_dflash import export_upstream_dflash
     from blockspec.models.dblast import DBlast
 
-    m = _dblast()
-    a = m.args
+    a = _dblast().args
     a.n_categories = 3
-    with pytest.raises(BlockspecError, match="n_categories"):
-        export_upstream_dflash(DBlast(a), tmp_path / "x.gguf", target=llama_q)
-    assert not (tmp_path / "x.gguf").exists()
+    m = DBlast(a)
+    out = export_upstream_dflash(m, tmp_path / "x.gguf", target=llama_q, outtype="f32")
+    t = {x.name: x for x in gguf.GGUFReader(str(out)).tensors}
+    assert [int(s) for s in t["blockspec.category_prior.weight"].shape] == [64, 3]
+    assert [int(s) for s in t["blockspec.category_expander.weight"].shape] == [64, 3 * 64]
+    np.testing.assert_array_equal(np.asarray(t["blockspec.category_expander.bias"].data),
+                                  m.category_expander.bias.detach().numpy())
+    mdl = ll.llama_model_load_from_file(str(out).encode(), ll.llama_model_default_params())
+    assert mdl, "patched llama.cpp refused a DBlast export with categories"
+    ll.llama_model_free(mdl)
 
 
 # ------------------------------------------------------------------------------ z-lab DFlash HF
@@ -404,10 +413,11 @@ def test_cli_drafter_our_checkpoint_both_layouts(llama_q, tmp_path):
     assert t["blk.0.attn_q.weight"].tensor_type.name == "Q8_0" and t["blk.0.attn_norm.weight"].tensor_type.name == "F32"
 
 
-def test_upstream_dflash_graph_runs_export(llama_q, tmp_path):
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_upstream_dflash_graph_runs_export(llama_q, tmp_path, qk_norm):
     """Upstream's own dflash graph (llama.cpp, in process: feature rows injected with llama_process,
-    then the block [last, MASK x 3]) on the export of a DBlast trained with q/k norm (--qk-norm)
-    equals our DBlast, and the mask id never wins."""
+    then the block [last, MASK x 3]) on the export of a DBlast with q/k norm (--qk-norm: upstream's
+    graph as it is) or without (patch 0008 skips the norm) equals our DBlast, and the mask id never wins."""
     import ctypes
 
     import llama_cpp as ll
@@ -415,7 +425,7 @@ def test_upstream_dflash_graph_runs_export(llama_q, tmp_path):
     from blockspec.converters.upstream_dflash import export_upstream_dflash
     from blockspec.models.target import load_target
 
-    model = _dblast(qk_norm=True).eval()
+    model = _dblast(qk_norm=qk_norm).eval()
     out = export_upstream_dflash(model, tmp_path / "dflash.gguf", target=llama_q, outtype="f32")
     tgt = load_target(llama_q, emulate_ggml=False)
     model.bind_target(tgt.tok_embeddings.weight, tgt.head_weight)
