@@ -1,4 +1,6 @@
-"""Block drafters run inside llama.cpp from a drafter GGUF (ggml_patches/0006, arch `specblock`).
+"""Block drafters run inside llama.cpp from a drafter GGUF: SpecBlock in its own arch `specblock`
+(ggml_patches/0006), DBlast in upstream's `dflash` arch with patch 0008 (GgmlDFlashDrafter below).
+The SpecBlock half is described here.
 
 The drafter is a second llama.cpp context whose `ctx_other` is the target's context: it borrows
 the target's token embeddings (and its LM head when the GGUF has no reduced draft vocabulary).
