@@ -43,34 +43,42 @@ def penalize(logits: np.ndarray, history: Sequence[int], p: SamplingParams) -> n
 
 
 def target_distribution(logits: np.ndarray, p: SamplingParams, history: Sequence[int] = ()) -> np.ndarray:
-    """[n_vocab] float64 probabilities the target samples from (one-hot when greedy)."""
+    """[n_vocab] float64 probabilities the target samples from (one-hot when greedy).
+
+    Everything after top-k works on top-k's candidates only (all tokens when top-k is off),
+    kept in id order so ties break as over the whole vocabulary: a full-vocabulary sort per
+    token cost ~3 ms (a sixth of a SmolLM2 token)."""
     x = penalize(np.asarray(logits, dtype=np.float64), history, p)
     n = x.shape[0]
     if p.greedy:
         out = np.zeros(n)
         out[int(np.argmax(x))] = 1.0
         return out
-    keep = np.ones(n, dtype=bool)
     if 0 < p.top_k < n:
         kth = np.partition(x, n - p.top_k)[n - p.top_k]
-        keep &= x >= kth
+        cand = np.flatnonzero(x >= kth)
+    else:
+        cand = np.arange(n)
+    xc = x[cand]
+    keep = np.ones(len(cand), dtype=bool)
     if p.top_p < 1.0 or p.min_p > 0.0:
-        z = np.where(keep, x, -np.inf)
-        q = np.exp(z - z.max())
+        q = np.exp(xc - xc.max())
         q /= q.sum()
         if p.top_p < 1.0:
             order = np.argsort(-q, kind="stable")
             cum = np.cumsum(q[order])
             # smallest prefix whose mass reaches top_p (always at least one token)
             cut = int(np.searchsorted(cum, p.top_p, side="left")) + 1
-            mask = np.zeros(n, dtype=bool)
+            mask = np.zeros(len(cand), dtype=bool)
             mask[order[:cut]] = True
             keep &= mask
         if p.min_p > 0.0:
             keep &= q >= p.min_p * q.max()
-    z = np.where(keep, x / p.temperature, -np.inf)
-    out = np.exp(z - z.max())
-    return out / out.sum()
+    z = xc[keep] / p.temperature
+    e = np.exp(z - z.max())
+    out = np.zeros(n)
+    out[cand[keep]] = e / e.sum()
+    return out
 
 
 def draw(probs: np.ndarray, rng: np.random.Generator) -> int:

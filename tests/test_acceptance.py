@@ -109,3 +109,36 @@ def test_drafter_equal_target_accepts_everything():
         tree = DraftTree.chain(0, d, q=[p, p, p])
         v = accept(tree, np.stack([logits] * 4), params, rng, [0])
         assert len(v.accepted) == 3 and v.bonus
+
+
+def _full_vocab_distribution(x, p):
+    """The sampler chain written out over the whole vocabulary (penalty-free): top-k -> top-p ->
+    min-p on the untempered softmax -> temperature. target_distribution works on top-k's
+    candidates only; both must describe the same distribution."""
+    n = x.shape[0]
+    keep = np.ones(n, dtype=bool)
+    if 0 < p.top_k < n:
+        keep &= x >= np.sort(x)[n - p.top_k]
+    q = np.where(keep, np.exp(x - x[keep].max()), 0.0)
+    q /= q.sum()
+    if p.top_p < 1.0:
+        order = np.argsort(-q, kind="stable")
+        cut = int(np.searchsorted(np.cumsum(q[order]), p.top_p, side="left")) + 1
+        keep &= np.isin(np.arange(n), order[:cut])
+    if p.min_p > 0.0:
+        keep &= q >= p.min_p * q.max()
+    e = np.where(keep, np.exp((x - x[keep].max()) / p.temperature), 0.0)
+    return e / e.sum()
+
+
+@pytest.mark.parametrize("top_k,top_p,min_p", [(40, 0.95, 0.05), (0, 0.9, 0.0), (5, 1.0, 0.0), (0, 1.0, 0.1), (3, 0.5, 0.0)])
+def test_target_distribution_equals_full_vocabulary_chain(top_k, top_p, min_p):
+    rng = np.random.default_rng(top_k)
+    for temp in (0.7, 1.0, 1.5):
+        p = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p)
+        for trial in range(5):
+            x = rng.standard_normal(2000) * 3
+            x[rng.integers(0, 2000, 20)] = x.max()  # ties at the top: id order decides
+            np.testing.assert_allclose(target_distribution(x.astype(np.float32), p),
+                                       _full_vocab_distribution(x.astype(np.float32).astype(np.float64), p),
+                                       rtol=1e-12, atol=1e-15)
