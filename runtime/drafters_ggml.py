@@ -338,18 +338,26 @@ class GgmlBlockDrafter(Drafter):
         emb = ll.llama_embd(row.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), 1, self.n_feat)
 
         def read():
-            out = {}
-            for name in outputs:
-                n = llama_ext.blockspec_get_graph_output(self._ctx, name.encode(), None, 0)
-                if n < 0 or n % n_rows:
-                    raise RuntimeError(f"{self.name} drafter graph has no output {name!r}")
-                buf = np.empty(n, dtype=np.float32)
-                llama_ext.blockspec_get_graph_output(
-                    self._ctx, name.encode(), buf.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), n)
-                out[name] = buf.reshape(n_rows, n // n_rows)
-            return out
+            return {name: buf.reshape(n_rows, -1) for name, buf in self._graph_outputs(outputs, n_rows).items()}
 
         return self._block_pass(t, [last_token] * n_rows, read, emb)
+
+    def _graph_outputs(self, names: Sequence[str], n_rows: int = 1) -> dict[str, np.ndarray]:
+        """The last block pass's named graph outputs (blockspec_get_graph_output), flat float32,
+        each a whole number of n_rows rows."""
+        from blockspec.runtime import llama_ext
+
+        out = {}
+        for name in names:
+            n = llama_ext.blockspec_get_graph_output(self._ctx, name.encode(), None, 0)
+            if n < 0 or n % n_rows:
+                raise RuntimeError(f"{self.name} drafter graph has no output {name!r} (a llama.cpp without "
+                                   f"blockspec's patches?)")
+            buf = np.empty(n, dtype=np.float32)
+            llama_ext.blockspec_get_graph_output(self._ctx, name.encode(),
+                                                 buf.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), n)
+            out[name] = buf
+        return out
 
     def to_target(self, draft_ids: np.ndarray) -> np.ndarray:
         return draft_ids if self.d2t is None else self.d2t[draft_ids]
@@ -466,19 +474,7 @@ class GgmlDFlashDrafter(GgmlBlockDrafter):
         if llama_ext.blockspec_set_branch_z(self._ctx, arr, len(want)) != 0:
             raise BlockspecError(f"dblast drafter: branch categories {want} are neither ids nor -1..-n")
 
-        def read():
-            out = {}
-            for name in ("category_prior", "branch_logits"):
-                n = llama_ext.blockspec_get_graph_output(self._ctx, name.encode(), None, 0)
-                if n < 0:
-                    raise RuntimeError(f"dblast drafter graph has no output {name!r} (llama.cpp without patch 0008?)")
-                buf = np.empty(n, dtype=np.float32)
-                llama_ext.blockspec_get_graph_output(self._ctx, name.encode(),
-                                                     buf.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), n)
-                out[name] = buf
-            return out
-
-        out = self._block(history, read)
+        out = self._block(history, lambda: self._graph_outputs(("category_prior", "branch_logits")))
         return out["category_prior"], out["branch_logits"].reshape(len(want), self.n_predict, -1)
 
     def propose(self, history: Sequence[int]) -> DraftTree:
