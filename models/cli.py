@@ -106,3 +106,34 @@ def features_cmd(target, out, layers, sources, n_seqs, max_len, shard_size, batc
     build_feature_cache(target, out, lids, sources=[s for s in sources.split(",") if s], n_seqs=n_seqs,
                         max_len=max_len, shard_size=shard_size, batch_size=batch_size, threads=threads or None)
     click.echo(json.dumps(dict(out=out, layers=lids)))
+
+
+@train.command("data")
+@click.option("--target", required=True, type=click.Path(exists=True), help="target GGUF (llama, qwen2, qwen3)")
+@click.option("--prompts", "sources", default="sharegpt,chitchat", show_default=True,
+              help="comma-separated: sharegpt, chitchat, or JSONL files (\"prompt\" or \"messages\" per line)")
+@click.option("--out", required=True, type=click.Path(), help="cache dir (resumed if present)")
+@click.option("--layers", default="", help="comma-separated layer-input ids; default: 5 spread layers")
+@click.option("--n-prompts", default=1000, show_default=True, help="prompts to answer over the whole run")
+@click.option("--n-parallel", default=32, show_default=True, help="answers decoded together per batch")
+@click.option("--max-prompt", default=256, show_default=True, help="skip prompts longer than this (tokens)")
+@click.option("--max-new", default=256, show_default=True, help="answer tokens per prompt at most")
+@click.option("--sample-frac", default=0.25, show_default=True,
+              help="share of answers sampled at T=1 (runtime sampler defaults); the rest greedy")
+@click.option("--top-k", default=8, show_default=True, help="target log-probs stored per position")
+@click.option("--shard-size", default=64, show_default=True, help="sequences per shard")
+@click.option("--seed", default=0, show_default=True, help="sampling seed (per prompt: seed, prompt index)")
+@click.option("--threads", default=0, show_default=True, help="llama.cpp threads (0: all cores)")
+def data_cmd(target, sources, out, layers, **opts):
+    """Self-distillation data: the target answers training prompts in llama.cpp; its layer taps
+    and top-k log-probs of every token are cached (resumable, atomic shards)."""
+    from blockspec.runtime.gguf_header import GGUFHeader
+
+    from .common import default_layers
+    from .data_engine import EngineConfig, run_engine
+
+    h = GGUFHeader(target)
+    n_layer = int(h.fields.get(f"{h.fields.get('general.architecture')}.block_count", 0))
+    lids = [int(x) for x in layers.split(",") if x.strip()] or default_layers(n_layer, 5)
+    summary = run_engine(target, [s for s in sources.split(",") if s], out, lids, EngineConfig(**opts))
+    click.echo(json.dumps(summary))

@@ -355,6 +355,76 @@ class CachedFeatures:
         return np.bincount(d["greedy"][d["tokens"] != 0].ravel(), minlength=vocab_size)
 
 
+class RaggedFeatures:
+    """A self-distilled cache (models/data_engine.py, `format: ragged`): sequences packed end to
+    end in memory, padded per batch. `answer_start` marks where each target answer begins: blocks
+    are anchored in answers only (what serving drafts), and the draft vocabulary counts the
+    target's answer tokens."""
+
+    kind = "cache"
+
+    def __init__(self, meta: dict, flat: dict, lengths: np.ndarray, answer_start: np.ndarray):
+        self.meta, self.flat = meta, flat
+        self.lengths = lengths.astype(np.int64)
+        self.answer_start = answer_start.astype(np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(self.lengths)[:-1]]).astype(np.int64)
+
+    @classmethod
+    def load(cls, cache_dir: str | os.PathLike, layers: Sequence[int] | None = None,
+             max_tokens: int | None = None) -> "RaggedFeatures":
+        """All shards (or the first ones up to `max_tokens` tokens), feature columns of `layers`
+        selected shard by shard so only the kept columns are ever held whole."""
+        from safetensors.numpy import load_file
+
+        d = Path(cache_dir)
+        meta = json.loads((d / "meta.json").read_text())
+        shards = sorted(d.glob("shard_*.safetensors"))
+        if not shards:
+            raise FileNotFoundError(f"{d}: no feature shards (build them with `blockspec train data`)")
+        cols = None
+        if layers is not None:
+            have, H = list(meta["layers"]), meta["dim"]
+            missing = [lid for lid in layers if lid not in have]
+            if missing:
+                raise ValueError(f"{d}: layers {missing} not cached (cache has {have})")
+            cols = np.concatenate([np.arange(have.index(lid) * H, (have.index(lid) + 1) * H) for lid in layers])
+        parts, n = [], 0
+        for p in shards:
+            sh = load_file(str(p))
+            if cols is not None:
+                sh["feats"] = np.ascontiguousarray(sh["feats"][:, cols])
+            parts.append(sh)
+            n += int(sh["lengths"].sum())
+            if max_tokens and n >= max_tokens:
+                break
+        flat = {k: np.concatenate([p[k] for p in parts]) for k in FEATURE_KEYS}
+        np.maximum(flat["top_logp"], -30.0, out=flat["top_logp"])  # early caches wrote -inf in prompts
+        return cls(meta, flat, np.concatenate([p["lengths"] for p in parts]),
+                   np.concatenate([p["answer_start"] for p in parts]))
+
+    def rows(self, idx: np.ndarray) -> dict:
+        """Same contract as CachedFeatures.rows (past a row's length: its last token's values)."""
+        idx = np.asarray(idx)
+        S = int(self.lengths[idx].max())
+        j = np.minimum(np.arange(S)[None, :], self.lengths[idx][:, None] - 1) + self.offsets[idx][:, None]
+        return {k: self.flat[k][j] for k in FEATURE_KEYS}
+
+    def label_counts(self, vocab_size: int) -> np.ndarray:
+        """Token frequencies for the draft vocabulary: the target's greedy tokens in its answers."""
+        pos = np.arange(len(self.flat["tokens"]))
+        seq = np.repeat(np.arange(len(self.lengths)), self.lengths)
+        ans = pos - self.offsets[seq] >= self.answer_start[seq] - 1
+        return np.bincount(self.flat["greedy"][ans], minlength=vocab_size)
+
+
+def open_feature_cache(cache_dir: str | os.PathLike, layers: Sequence[int] | None = None):
+    """The feature source of a cache directory: self-distilled (ragged) or text (padded)."""
+    meta = json.loads((Path(cache_dir) / "meta.json").read_text())
+    if meta.get("format") == "ragged":
+        return RaggedFeatures.load(cache_dir, layers)
+    return CachedFeatures.load(cache_dir, layers)
+
+
 class OnlineFeatures:
     """Token sequences whose target features are computed when a batch draws them.
 

@@ -162,6 +162,18 @@ class Batches:
         if len(self.split["train"]) == 0:
             self.split["train"] = self.split["heldout"]
         self.rng = np.random.default_rng(seed)
+        # a self-distilled source marks its answers: blocks are anchored there only (the first at
+        # the last prompt token, as after a prefill), rows drawn in proportion to their anchors so
+        # every answer token weighs the same
+        start = getattr(source, "answer_start", None)
+        self.lo = np.zeros(n, np.int64) if start is None else np.maximum(np.asarray(start) - 1, 0)
+        self.row_p = {}
+        for k, ids in self.split.items():
+            if start is None or not len(ids):
+                self.row_p[k] = None
+            else:
+                w = np.maximum(source.lengths[ids] - 1 - self.lo[ids], 0).astype(np.float64)
+                self.row_p[k] = w / w.sum() if w.sum() else None
 
     def get_batch(self, split: str, batch_size: int, anchors: int, rng: np.random.Generator | None = None,
                   span: int | None = None):
@@ -173,13 +185,14 @@ class Batches:
 
         rng = rng or self.rng
         P = span or self.P
-        rows = rng.choice(self.split[split], size=batch_size)
+        rows = rng.choice(self.split[split], size=batch_size, p=self.row_p[split])
         lengths = self.src.lengths[rows]
         d = self.src.rows(rows)  # [B, S, ...], S = lengths.max()
         S = int(lengths.max())
         # anchor t needs x[t+1] and at least one label greedy[t+1]; positions past the end are invalid
         hi = np.maximum(lengths - 2, 0)
-        anc = np.stack([rng.integers(0, h + 1, size=anchors) for h in hi])  # [B, N]
+        lo = np.minimum(self.lo[rows], hi)
+        anc = np.stack([rng.integers(l, h + 1, size=anchors) for l, h in zip(lo, hi)])  # [B, N]
         j = np.arange(P)
         pos = anc[..., None] + 1 + j  # [B, N, P] index of the target position predicting each label
         valid = pos < lengths[:, None, None] - 1
@@ -404,7 +417,7 @@ def feature_source(c: TrainConfig, target, layers):
 
             raise BlockspecError(f"--data {c.data}: no feature cache there (build one with `blockspec train "
                                  f"features`, or use --features on-the-fly)")
-        return data.CachedFeatures.load(c.data, layers)
+        return data.open_feature_cache(c.data, layers)
     return data.OnlineFeatures.from_text(target, c.target, layers, sources=[s for s in c.sources.split(",") if s],
                                          n_seqs=c.n_seqs, max_len=c.max_len)
 

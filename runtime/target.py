@@ -96,6 +96,10 @@ class TargetConfig:
     # on SmolLM2), which is what makes batched verification exactly lossless. Tree commits
     # keep cells in position order for it (Target.pack_tail).
     flash_attn: bool = True
+    # one KV stream shared by all sequences (a token tree's paths share the prompt's cells); off:
+    # a stream per sequence, so independent sequences decoded together (the data engine) each
+    # attend over their own cells only
+    kv_unified: bool = True
     verbose: bool = False
     cb_eval: object = None  # a llama_cpp.ggml_backend_sched_eval_callback, for debugging and tests
 
@@ -129,7 +133,7 @@ class Target:
         cp.n_batch = cfg.n_batch
         cp.n_ubatch = cfg.n_batch
         cp.n_seq_max = cfg.n_seq_max
-        cp.kv_unified = True
+        cp.kv_unified = cfg.kv_unified
         # all cores by default; BLOCKSPEC_THREADS overrides (ggml's spinning barriers collapse
         # when another process holds a core, so fewer threads win on a busy machine)
         self.n_threads = cfg.n_threads or int(os.environ.get("BLOCKSPEC_THREADS", 0)) or max(1, os.cpu_count() or 1)

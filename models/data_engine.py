@@ -1,0 +1,350 @@
+"""Self-distillation data on the patched llama.cpp: the target answers training prompts itself.
+
+    blockspec train data --target T.gguf --prompts sharegpt,chitchat --out DIR [--n-prompts N]
+
+Every drafter learns what the target says, so its training text is the target's own answers:
+each prompt (chat template from the GGUF) is prefilled and answered by the quantized target in
+llama.cpp, `n_parallel` answers decoded together in one batch per step (a KV stream per sequence,
+so each attends over its own cells only). The layer-tap features of every token, prompt and
+answer, come from the same passes: exactly the rows the runtime feeds the drafter. A share of the
+answers (`sample_frac`) is sampled at T = 1 with the runtime's sampler defaults, the rest greedy.
+
+Cache layout (a `format: ragged` feature cache, read by data.CachedFeatures): shards
+`shard_00000.safetensors` ... holding sequences packed end to end
+  tokens [N] int32, feats [N, n*H] f16, greedy [N] int32, top_ids / top_logp [N, k]  (N tokens)
+  lengths [S] int32, answer_start [S] int32, prompt_idx [S] int64, sampled [S] int8  (S sequences)
+`greedy` / `top_*` at position i: the target's argmax / top-k log-probs (T = 1) for token i + 1;
+in the prompt (no logits asked there) `greedy` is the text's next token and top_logp is -30.
+Shards are written atomically (tmp + rename); a restart skips the prompts already in a shard, so
+the run resumes after Ctrl-C, a crash or a full disk with every written shard valid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from blockspec.runtime.errors import BlockspecError
+
+SHARD_FMT = "shard_{:05d}.safetensors"
+TAP_ARCHS = ("llama", "qwen2", "qwen3")  # graphs that set the layer taps (qwen2: patch 0002)
+MIN_FREE_BYTES = 1 << 30  # stop cleanly when the disk has less than this left
+
+
+@dataclass
+class EngineConfig:
+    n_prompts: int = 1000          # prompts to answer (after filters), counted over the whole run
+    n_parallel: int = 32           # answers decoded together per llama.cpp batch
+    max_prompt: int = 256          # longer prompts (template included) are skipped
+    max_new: int = 256             # answer tokens per prompt at most
+    sample_frac: float = 0.25      # share of answers sampled (T = 1, runtime defaults), rest greedy
+    top_k: int = 8                 # target log-probs stored per position
+    shard_size: int = 64           # sequences per shard
+    seed: int = 0
+    threads: int = 0               # llama.cpp threads (0: all cores)
+
+
+# ------------------------------------------------------------------------------------- prompts
+
+def _prompt_messages(conv: list[dict]) -> list[dict] | None:
+    """A conversation -> the messages up to and including its first user turn."""
+    out = []
+    for m in conv:
+        out.append({"role": m["role"], "content": m["content"]})
+        if m["role"] == "user":
+            return out
+    return None
+
+
+def iter_prompts(sources: Sequence[str]) -> Iterator[list[dict]]:
+    """Prompt messages, round-robin over the sources: `sharegpt`, `chitchat` (pip packages) or a
+    JSONL file ("prompt" string or "messages" list per line; a bad line is a one-line error)."""
+    from blockspec.runtime.bench import load_prompts
+
+    from . import data
+
+    its = []
+    for s in sources:
+        if s in data.SOURCES:
+            its.append(_prompt_messages(c) for c in data.SOURCES[s]())
+        else:
+            if not Path(s).is_file():
+                raise BlockspecError(f"--prompts {s}: not a file, nor one of {', '.join(data.SOURCES)}")
+            its.append(iter(load_prompts(s)))
+    while its:
+        for it in list(its):
+            try:
+                msgs = next(it)
+            except StopIteration:
+                its.remove(it)
+                continue
+            if msgs:
+                yield msgs
+
+
+def first_user(msgs: list[dict]) -> str:
+    return next((m["content"] for m in msgs if m["role"] == "user"), "")
+
+
+# ------------------------------------------------------------------------------------- engine
+
+class Slot:
+    """One sequence being answered in KV stream `seq`."""
+
+    def __init__(self, seq: int, idx: int, prompt: list[int], sampled: bool, rng):
+        self.seq, self.idx, self.sampled, self.rng = seq, idx, sampled, rng
+        self.tokens = list(prompt)
+        self.n_prompt = len(prompt)
+        self.feats: list[np.ndarray] = []   # [n, F] per decode, rows for tokens[0 .. len-2]
+        self.greedy: list[int] = []          # for positions n_prompt-1 ..
+        self.top_ids: list[np.ndarray] = []
+        self.top_logp: list[np.ndarray] = []
+
+    def arrays(self, k: int) -> dict:
+        L, n_p = len(self.tokens), self.n_prompt
+        F = self.feats[0].shape[1]
+        feats = np.zeros((L, F), np.float16)
+        rows = np.concatenate(self.feats)
+        feats[:len(rows)] = rows  # the last token is never decoded: no row (a block never reads it)
+        greedy = np.zeros(L, np.int32)
+        greedy[:n_p - 1] = self.tokens[1:n_p]
+        greedy[n_p - 1:n_p - 1 + len(self.greedy)] = self.greedy
+        top_ids = np.zeros((L, k), np.int32)
+        top_logp = np.full((L, k), -30.0, np.float16)
+        top_ids[n_p - 1:n_p - 1 + len(self.greedy)] = np.stack(self.top_ids)
+        top_logp[n_p - 1:n_p - 1 + len(self.greedy)] = np.stack(self.top_logp)
+        return dict(tokens=np.asarray(self.tokens, np.int32), feats=feats, greedy=greedy, top_ids=top_ids,
+                    top_logp=top_logp)
+
+
+def top_k_logp(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """[n, V] logits -> argmax [n], top-k ids [n, k] (descending), their log-probs (T = 1)."""
+    x = logits.astype(np.float32, copy=False)
+    m = x.max(-1, keepdims=True)
+    lse = m[:, 0] + np.log(np.exp(x - m).sum(-1))
+    part = np.argpartition(-x, k - 1, axis=-1)[:, :k]
+    vals = np.take_along_axis(x, part, -1)
+    order = np.argsort(-vals, axis=-1, kind="stable")
+    ids = np.take_along_axis(part, order, -1)
+    logp = np.take_along_axis(vals, order, -1) - lse[:, None]
+    return x.argmax(-1).astype(np.int32), ids.astype(np.int32), logp.astype(np.float16)
+
+
+class ShardWriter:
+    """Finished sequences -> atomic shards; knows which prompts are done (resume)."""
+
+    def __init__(self, out: Path, meta: dict, shard_size: int, progress):
+        self.out, self.shard_size, self.bar = out, shard_size, progress
+        out.mkdir(parents=True, exist_ok=True)
+        mp = out / "meta.json"
+        if mp.exists():
+            old = json.loads(mp.read_text())
+            keys = ("target_sha", "layers", "max_prompt", "max_new", "sample_frac", "seed", "top_k", "sources")
+            diff = [k for k in keys if old.get(k) != meta.get(k)]
+            if diff:
+                raise BlockspecError(f"{out}: a data run with other settings is there ({', '.join(diff)} differ); "
+                                     f"use another --out")
+        tmp = mp.with_suffix(".tmp")
+        tmp.write_text(json.dumps(meta, indent=1))
+        os.replace(tmp, mp)
+        from safetensors import safe_open
+
+        self.done: set[int] = set()
+        self.n_tokens = self.n_answer = 0
+        self.shards = sorted(out.glob("shard_*.safetensors"))
+        for p in self.shards:
+            with safe_open(str(p), "numpy") as f:
+                idx = f.get_tensor("prompt_idx")
+                lengths, starts = f.get_tensor("lengths"), f.get_tensor("answer_start")
+            self.done.update(int(i) for i in idx)
+            self.n_tokens += int(lengths.sum())
+            self.n_answer += int((lengths - starts).sum())
+        for p in out.glob("*.tmp"):
+            p.unlink()  # a shard cut short by a crash
+        self.pending: list[dict] = []
+
+    def add(self, slot: Slot, k: int) -> None:
+        a = slot.arrays(k)
+        a.update(length=len(slot.tokens), answer_start=slot.n_prompt, prompt_idx=slot.idx, sampled=int(slot.sampled))
+        self.pending.append(a)
+        if len(self.pending) >= self.shard_size:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        from safetensors.numpy import save_file
+
+        seqs, self.pending = self.pending, []
+        data = {key: np.concatenate([s[key] for s in seqs]) for key in ("tokens", "feats", "greedy", "top_ids",
+                                                                         "top_logp")}
+        data.update(lengths=np.array([s["length"] for s in seqs], np.int32),
+                    answer_start=np.array([s["answer_start"] for s in seqs], np.int32),
+                    prompt_idx=np.array([s["prompt_idx"] for s in seqs], np.int64),
+                    sampled=np.array([s["sampled"] for s in seqs], np.int8))
+        need = sum(v.nbytes for v in data.values()) + MIN_FREE_BYTES
+        if shutil.disk_usage(self.out).free < need:
+            raise BlockspecError(f"{self.out}: out of disk ({shutil.disk_usage(self.out).free >> 20} MiB free); "
+                                 f"{len(self.shards)} shards kept, rerun to resume")
+        path = self.out / SHARD_FMT.format(len(self.shards))
+        while path.exists():
+            path = self.out / SHARD_FMT.format(int(path.stem.split("_")[1]) + 1)
+        tmp = path.with_suffix(".tmp")
+        save_file(data, str(tmp))
+        os.replace(tmp, path)
+        self.shards.append(path)
+        self.done.update(s["prompt_idx"] for s in seqs)
+        self.n_tokens += int(data["lengths"].sum())
+        self.n_answer += int((data["lengths"] - data["answer_start"]).sum())
+
+    def disk_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.shards)
+
+
+def _file_sha(path: Path) -> str:
+    import hashlib
+
+    st = path.stat()
+    h = hashlib.sha256(f"{st.st_size}".encode())
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+    return h.hexdigest()[:16]
+
+
+def run_engine(target_path: str | os.PathLike, sources: Sequence[str], out_dir: str | os.PathLike,
+               layers: Sequence[int], cfg: EngineConfig = EngineConfig(), progress: bool = True) -> dict:
+    """Answer `cfg.n_prompts` training prompts with the target and cache features + log-probs.
+    Returns a summary (prompts done and dropped, tokens, tokens/s, disk use)."""
+    from tqdm import tqdm
+
+    from blockspec.runtime.prompt import chat_tokens
+    from blockspec.runtime.sampling import SamplingParams, target_distribution
+    from blockspec.runtime.target import Target, TargetConfig
+
+    from .data import _norm, eval_prompts
+
+    out = Path(out_dir)
+    n_ctx_seq = cfg.max_prompt + cfg.max_new + 8
+    tcfg = TargetConfig(n_ctx=cfg.n_parallel * n_ctx_seq, n_batch=max(cfg.max_prompt, cfg.n_parallel),
+                        n_seq_max=cfg.n_parallel, n_threads=cfg.threads or None, kv_unified=False)
+    target = Target(target_path, tcfg)
+    if target.arch not in TAP_ARCHS:
+        raise BlockspecError(f"{target.path.name}: architecture {target.arch!r} has no layer taps "
+                             f"(supported: {', '.join(TAP_ARCHS)})")
+    target.enable_taps(layers)
+    meta = dict(format="ragged", target=str(target.path), target_sha=_file_sha(target.path), arch=target.arch,
+                layers=list(layers), dim=target.n_embd, n_layer=target.n_layer, vocab_size=target.n_vocab,
+                sources=list(sources), **{k: v for k, v in asdict(cfg).items() if k not in ("threads", "n_parallel")},
+                max_len=n_ctx_seq)
+    meta.pop("n_prompts")
+    writer = ShardWriter(out, meta, cfg.shard_size, None)
+    banned = eval_prompts()
+    sp = SamplingParams(temperature=1.0)  # the runtime's defaults at T = 1 (top-k 40, top-p .95, min-p .05)
+    stats = dict(eval_prompts_known=len(banned), eval_dropped=0, too_long=0, unrenderable=0,
+                 done_before=len(writer.done))
+
+    def prompts() -> Iterator[tuple[int, list[int]]]:
+        n = 0
+        for idx, msgs in enumerate(iter_prompts(sources)):
+            if n >= cfg.n_prompts:
+                return
+            if _norm(first_user(msgs)) in banned:
+                stats["eval_dropped"] += 1
+                continue
+            if idx in writer.done:
+                n += 1
+                continue
+            try:
+                toks = chat_tokens(target, msgs)
+            except Exception:  # noqa: BLE001 - a record the chat template cannot render
+                stats["unrenderable"] += 1
+                continue
+            if len(toks) > cfg.max_prompt:
+                stats["too_long"] += 1
+                continue
+            n += 1
+            yield idx, toks
+
+    todo = prompts()
+    bar = tqdm(total=cfg.n_prompts, initial=len(writer.done), unit="prompt", desc="self-distill",
+               disable=not progress, mininterval=2.0)
+    slots: dict[int, Slot] = {}
+    free = list(range(cfg.n_parallel))[::-1]
+    t0, n_new = time.time(), 0
+
+    def record(slot: Slot, logits_rows: np.ndarray) -> list[int]:
+        """Per slot: the next token from its last row of logits; stores greedy/top-k there."""
+        g, ids, logp = top_k_logp(logits_rows, cfg.top_k)
+        slot.greedy.append(int(g[0]))
+        slot.top_ids.append(ids[0])
+        slot.top_logp.append(logp[0])
+        if slot.sampled:
+            p = target_distribution(logits_rows[0], sp)
+            return int(slot.rng.choice(len(p), p=p))
+        return int(g[0])
+
+    def finish(slot: Slot) -> None:
+        writer.add(slot, cfg.top_k)
+        target.remove(slot.seq, 0, -1)
+        free.append(slot.seq)
+        del slots[slot.seq]
+        bar.update(1)
+
+    def start(idx: int, toks: list[int]) -> None:
+        seq = free.pop()
+        rng = np.random.default_rng([cfg.seed, idx])
+        slot = Slot(seq, idx, toks, bool(rng.random() < cfg.sample_frac), rng)
+        target.remove(seq, 0, -1)
+        target.prefill(toks, seq_id=seq, on_chunk=lambda chunk: slot.feats.append(
+            np.concatenate([target.tap(lid) for lid in layers], -1).astype(np.float16)))
+        slots[seq] = slot
+        nxt = record(slot, target.logits_row(-1)[None])
+        slot.tokens.append(nxt)
+        if target.is_eog(nxt) or cfg.max_new <= 1:
+            finish(slot)
+
+    try:
+        exhausted = False
+        while True:
+            while free and not exhausted:
+                item = next(todo, None)
+                if item is None:
+                    exhausted = True
+                    break
+                start(*item)
+            if not slots:
+                break
+            act = sorted(slots.values(), key=lambda s: s.seq)
+            target.decode([s.tokens[-1] for s in act], [len(s.tokens) - 1 for s in act],
+                          [(s.seq,) for s in act], logits=[True] * len(act))
+            feats = np.concatenate([target.tap(lid) for lid in layers], -1).astype(np.float16)
+            rows = np.stack([target.logits_row(i) for i in range(len(act))])
+            for i, s in enumerate(act):
+                s.feats.append(feats[i:i + 1])
+                nxt = record(s, rows[i:i + 1])
+                s.tokens.append(nxt)
+                if target.is_eog(nxt) or len(s.tokens) - s.n_prompt >= cfg.max_new:
+                    finish(s)
+            n_new += len(act)
+            dt = time.time() - t0
+            bar.set_postfix_str(f"{n_new / dt:.0f} answer tok/s, {writer.disk_bytes() >> 20} MiB")
+        writer.flush()
+    except KeyboardInterrupt:
+        writer.flush()  # finished answers are kept; the ones in flight are answered again on resume
+        raise
+    finally:
+        bar.close()
+        target.close()
+    dt = time.time() - t0
+    summary = dict(out=str(out), prompts=len(writer.done), shards=len(writer.shards), tokens=writer.n_tokens,
+                   answer_tokens=writer.n_answer, new_answer_tokens=n_new,
+                   answer_tok_per_s=round(n_new / max(dt, 1e-9), 1), disk_mib=writer.disk_bytes() >> 20, **stats)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
