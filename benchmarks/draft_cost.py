@@ -50,10 +50,10 @@ def main(argv=None) -> dict:
 
     from blockspec.converters.drafter import convert_drafter
     from blockspec.models import build_model
-    from blockspec.runtime.drafters_ggml import GgmlSpecBlockDrafter
-    from blockspec.runtime.modelfile import bundled_model_path
-    from blockspec.runtime.prompt import prompt_tokens
-    from blockspec.runtime.target import Target, TargetConfig
+    from blockspec.runtime.drafters.ggml_backend import GgmlSpecBlockDrafter
+    from blockspec.runtime.format.modelfile import bundled_model_path
+    from blockspec.runtime.llama.prompt import prompt_tokens
+    from blockspec.runtime.llama.target import Target, TargetConfig
 
     target_path = Path(args.target or bundled_model_path())
     res = dict(threads=args.threads, target=target_path.name, block_size=args.block_size,

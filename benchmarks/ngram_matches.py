@@ -12,11 +12,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from prompts import PROMPTS  # noqa: E402
 
-from blockspec.runtime.drafters import NgramDrafter  # noqa: E402
-from blockspec.runtime.generate import generate  # noqa: E402
-from blockspec.runtime.modelfile import bundled_model_path  # noqa: E402
-from blockspec.runtime.prompt import prompt_tokens  # noqa: E402
-from blockspec.runtime.target import Target, TargetConfig  # noqa: E402
+from blockspec.runtime.drafters.ngram import NgramDrafter  # noqa: E402
+from blockspec.runtime.engine.generate import generate  # noqa: E402
+from blockspec.runtime.format.modelfile import bundled_model_path  # noqa: E402
+from blockspec.runtime.llama.prompt import prompt_tokens  # noqa: E402
+from blockspec.runtime.llama.target import Target, TargetConfig  # noqa: E402
 
 
 def main() -> None:

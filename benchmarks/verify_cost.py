@@ -25,7 +25,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--ctx", type=int, default=128)
     a = ap.parse_args(argv)
 
-    from blockspec.runtime.target import open_target
+    from blockspec.runtime.llama.target import open_target
 
     sizes = [1, 2, 3, 4, 5, 6, 8, 12, 16]
     with open_target(a.model, n_ctx=1024, n_seq_max=1, n_threads=a.threads) as t:

@@ -26,7 +26,7 @@ from blockspec.converters.gguf_out import gguf_writer
 from blockspec.converters.keys import ARCH_ARGS_KEYS, ARCHS, ARGS_KEYS, Keys, gguf_to_torch_name, keep_f32, \
     torch_to_gguf_name
 from blockspec.runtime.errors import BlockspecError
-from blockspec.runtime.gguf_header import GGUFHeader
+from blockspec.runtime.format.gguf_header import GGUFHeader
 
 OUTTYPES = ("f32", "f16", "q8_0")
 Q8_BLOCK = 32
@@ -306,7 +306,7 @@ def convert_drafter(ckpt, out_path: str | os.PathLike, outtype: str = "f16",
     if outtype not in OUTTYPES:
         raise BlockspecError(f"unknown outtype {outtype!r} (one of {', '.join(OUTTYPES)})")
     if isinstance(ckpt, (str, os.PathLike)):
-        from blockspec.runtime.drafters_torch import load_checkpoint
+        from blockspec.runtime.drafters.torch_backend import load_checkpoint
 
         model, meta = load_checkpoint(ckpt)
         recorded = (meta.get("config") or {}).get("target") or ""

@@ -1,6 +1,6 @@
 """Export a DBlast drafter in upstream llama.cpp's own `dflash` GGUF layout, so upstream's DFlash
 engine (`--spec-type draft-dflash`) can run OUR weights (the benchmark peer "same weights, their
-engine against ours"), and so our ggml backend runs DBlast in that graph (runtime/drafters_ggml.py).
+engine against ours"), and so our ggml backend runs DBlast in that graph (runtime/drafters/ggml_backend.py).
 
 What upstream's loader and graph need (pinned source: src/models/dflash.cpp, src/llama-model.cpp,
 common/speculative.cpp, conversion/qwen.py DFlashModel) and how each is written:
@@ -98,7 +98,7 @@ def _encode(w, name: str, arr: np.ndarray, outtype: str) -> None:
 def _load_model(model_or_ckpt):
     """A drafter module, a `blockspec train` checkpoint dir or a blockspec drafter GGUF -> module."""
     if isinstance(model_or_ckpt, (str, os.PathLike)):
-        from blockspec.runtime.drafters_torch import load_checkpoint
+        from blockspec.runtime.drafters.torch_backend import load_checkpoint
 
         return load_checkpoint(model_or_ckpt)[0]
     return model_or_ckpt
@@ -194,8 +194,8 @@ def cached_export(path: str | os.PathLike, target: str | os.PathLike) -> Path:
     drafter and target under $BLOCKSPEC_CACHE/exports); any other GGUF is taken as already upstream's."""
     import hashlib
 
-    from blockspec.runtime.gguf_header import GGUFHeader
-    from blockspec.runtime.modelfile import cache_dir
+    from blockspec.runtime.format.gguf_header import GGUFHeader
+    from blockspec.runtime.format.modelfile import cache_dir
 
     fields = GGUFHeader(str(path)).fields
     if fields.get("general.architecture") != "dblast":

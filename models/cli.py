@@ -127,7 +127,7 @@ def features_cmd(target, out, layers, sources, n_seqs, max_len, shard_size, batc
 def data_cmd(target, sources, out, layers, **opts):
     """Self-distillation data: the target answers training prompts in llama.cpp; its layer taps
     and top-k log-probs of every token are cached (resumable, atomic shards)."""
-    from blockspec.runtime.gguf_header import GGUFHeader
+    from blockspec.runtime.format.gguf_header import GGUFHeader
 
     from .common import default_layers
     from .data_engine import EngineConfig, run_engine

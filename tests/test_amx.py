@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from blockspec.runtime.target import safe_extra_bufts, system_info
+from blockspec.runtime.llama.target import safe_extra_bufts, system_info
 
 
 def test_build_has_no_amx_or_avx512():

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from blockspec.runtime.llama_api import SpeculativeLlama, StopText
+from blockspec.runtime.frontends.llama_api import SpeculativeLlama, StopText
 
 PROMPT = "The three most important inventions of the twentieth century are"
 

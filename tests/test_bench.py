@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from blockspec.runtime.bench import METHODS, load_prompts, parse_drafters, parse_methods
+from blockspec.runtime.bench.run import METHODS, load_prompts, parse_drafters, parse_methods
 from blockspec.runtime.errors import BlockspecError
 
 from conftest import run_cli
@@ -112,8 +112,8 @@ def test_bench_upstream_peers(tmp_path):
     """Upstream's llama-speculative-simple (ggml_patches/build_tools.py) runs on the same prompts:
     its greedy output equals our plain output (short prompts: below 64 rows the prefill kernels are
     batch invariant, see bench.py), and its n-gram drafting accepts tokens on a repetitive prompt."""
-    from blockspec.runtime.bench import run_bench
-    from blockspec.runtime.bench_peers import find_tool
+    from blockspec.runtime.bench.run import run_bench
+    from blockspec.runtime.bench.peers import find_tool
 
     try:
         find_tool()

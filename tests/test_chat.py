@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from blockspec.runtime.chat import ChatSession, _repl
+from blockspec.runtime.frontends.chat import ChatSession, _repl
 
 
 class _Pty:
@@ -51,7 +51,7 @@ class _Pty:
 
 
 def test_chat_repl_ctrl_c_keeps_session(smollm2_path):
-    args = [sys.executable, "-c", "from blockspec.runtime.cli_apps import chat; chat()",
+    args = [sys.executable, "-c", "from blockspec.runtime.frontends.cli_apps import chat; chat()",
             "--model", str(smollm2_path), "--method", "ngram", "--temperature", "0", "--max-tokens", "400",
             "--n-ctx", "2048"]
     t = _Pty(args, {**os.environ, "BLOCKSPEC_THREADS": "1", "TERM": "dumb"})

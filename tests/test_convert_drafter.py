@@ -277,7 +277,7 @@ def test_wrong_target_refused_with_one_line(targets, tmp_path, target, words):
 
 
 def test_truncated_or_corrupt_gguf_is_one_line(targets, tmp_path):
-    from blockspec.runtime.drafters import make_drafter as runtime_drafter
+    from blockspec.runtime.engine.setup import make_drafter as runtime_drafter
 
     path = convert_drafter(make_drafter("dblast-kz4-dv"), tmp_path / "d.gguf", "q8_0", target=targets["ok"])
     blob = path.read_bytes()
@@ -316,10 +316,10 @@ def test_registered_converters():
 def test_gguf_drafter_in_engine_equals_plain(smollm2_path, tmp_path):
     """A GGUF drafter runs in the torch backend against the real target: output == plain greedy;
     a drafter whose recorded tokenizer differs is refused at bind time with one line."""
-    from blockspec.runtime.drafters import make_drafter as runtime_drafter
-    from blockspec.runtime.generate import generate
-    from blockspec.runtime.sampling import SamplingParams
-    from blockspec.runtime.target import Target, TargetConfig
+    from blockspec.runtime.engine.setup import make_drafter as runtime_drafter
+    from blockspec.runtime.engine.generate import generate
+    from blockspec.runtime.engine.sampling import SamplingParams
+    from blockspec.runtime.llama.target import Target, TargetConfig
 
     torch.manual_seed(0)
     smol = dict(dim=576, target_dim=576, n_head=9, n_kv_head=3, head_dim=64, ffn_dim=1536, vocab_size=49152,

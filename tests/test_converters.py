@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 gguf = pytest.importorskip("gguf")
 
 from blockspec.runtime.errors import BlockspecError  # noqa: E402
-from blockspec.runtime.target import Target, TargetConfig  # noqa: E402
+from blockspec.runtime.llama.target import Target, TargetConfig  # noqa: E402
 
 TEXT = ["The quick brown fox jumps over the lazy dog.", "Once upon a time, in a small village, there lived a cat.",
         "Speculative decoding drafts a block of tokens and verifies them in one pass.",
@@ -42,7 +42,7 @@ def run_cli(*args: str):
     paying a fresh interpreter's torch import per call."""
     from click.testing import CliRunner
 
-    from blockspec.runtime.cli import cli
+    from blockspec.runtime.frontends.cli import cli
 
     r = CliRunner().invoke(cli, list(args), catch_exceptions=False)
     r.returncode = r.exit_code

@@ -16,14 +16,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from blockspec.runtime.drafters import Drafter, make_drafter
-from blockspec.runtime.drafters_torch import TorchDrafter
+from blockspec.runtime.drafters.base import Drafter
+from blockspec.runtime.engine.setup import make_drafter
+from blockspec.runtime.drafters.torch_backend import TorchDrafter
 from blockspec.runtime.errors import BlockspecError
-from blockspec.runtime.generate import generate
-from blockspec.runtime.prompt import prompt_tokens
-from blockspec.runtime.sampling import SamplingParams
-from blockspec.runtime.target import Target, TargetConfig
-from blockspec.runtime.tree import DraftTree
+from blockspec.runtime.engine.generate import generate
+from blockspec.runtime.llama.prompt import prompt_tokens
+from blockspec.runtime.engine.sampling import SamplingParams
+from blockspec.runtime.llama.target import Target, TargetConfig
+from blockspec.runtime.drafters.tree import DraftTree
 
 from conftest import run_cli
 from prompts import PROMPTS
@@ -222,7 +223,7 @@ def test_mismatched_drafter_refused_with_one_line(target, tmp_path, bad, words):
 
 
 def test_make_drafter_errors(tmp_path, ckpts, monkeypatch):
-    import blockspec.runtime.drafters as drafters
+    import blockspec.runtime.engine.setup as drafters
 
     monkeypatch.setattr(drafters, "shipped_drafter", lambda method: None)  # as for a target with none
     with pytest.raises(BlockspecError, match=r"--method specblock needs --drafter PATH"):
@@ -243,8 +244,8 @@ def test_shipped_drafter_is_refused_by_another_target(tmp_path):
     """`--method specblock` without --drafter takes the drafter shipped for the bundled model; a
     different target refuses it at load in one line naming the mismatch."""
     from blockspec.models.target import ModelArgs, write_tiny_gguf
-    from blockspec.runtime.drafters import shipped_drafter
-    from blockspec.runtime.modelfile import bundled_model_path
+    from blockspec.runtime.engine.setup import shipped_drafter
+    from blockspec.runtime.format.modelfile import bundled_model_path
 
     assert shipped_drafter("specblock") and shipped_drafter("dblast")
     tiny = tmp_path / "tiny.gguf"

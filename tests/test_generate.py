@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from blockspec.runtime.generate import generate
-from blockspec.runtime.prompt import prompt_tokens
-from blockspec.runtime.sampling import SamplingParams, target_distribution
+from blockspec.runtime.engine.generate import generate
+from blockspec.runtime.llama.prompt import prompt_tokens
+from blockspec.runtime.engine.sampling import SamplingParams, target_distribution
 
 from conftest import run_cli
 

@@ -1,4 +1,4 @@
-"""DBlast in llama.cpp through upstream's `dflash` graph with patch 0008 (runtime/drafters_ggml.py
+"""DBlast in llama.cpp through upstream's `dflash` graph with patch 0008 (runtime/drafters/ggml_backend.py
 GgmlDFlashDrafter) against the torch reference (models/dblast.py), on the bundled SmolLM2 as the target.
 
 Tiny random DBlasts at SmolLM2's width are written as blockspec GGUFs (f32); the ggml backend runs
@@ -14,11 +14,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from blockspec.runtime.drafters import make_drafter
+from blockspec.runtime.engine.setup import make_drafter
 from blockspec.runtime.errors import BlockspecError
-from blockspec.runtime.generate import generate
-from blockspec.runtime.prompt import prompt_tokens
-from blockspec.runtime.sampling import SamplingParams
+from blockspec.runtime.engine.generate import generate
+from blockspec.runtime.llama.prompt import prompt_tokens
+from blockspec.runtime.engine.sampling import SamplingParams
 
 from prompts import PROMPTS
 from test_ggml_drafter import FEEDS, target, taps  # noqa: F401 - module fixtures: SmolLM2 and its real taps
@@ -65,7 +65,7 @@ def drafter_file(request, tmp_path_factory, smollm2_path):
     path = convert_drafter(m, tmp_path_factory.mktemp("dflash") / f"{request.param}.gguf", outtype,
                            target=smollm2_path)
     if outtype == "f16":  # the torch reference computes with the weights the GGUF holds
-        from blockspec.runtime.drafters_torch import load_checkpoint
+        from blockspec.runtime.drafters.torch_backend import load_checkpoint
 
         m = load_checkpoint(path)[0].float().eval()
     return str(path), m
@@ -79,7 +79,7 @@ def export_cache(tmp_path_factory, monkeypatch):
 def _torch_drafter(model, target, branches=1):
     import os
 
-    from blockspec.runtime.drafters_torch import DBlastDrafter, _target_weights
+    from blockspec.runtime.drafters.torch_backend import DBlastDrafter, _target_weights
 
     embed, _ = _target_weights(str(target.path), os.path.getmtime(target.path), False)
     model.bind_target(embed, embed)  # SmolLM2 ties its head to its embeddings
@@ -87,7 +87,7 @@ def _torch_drafter(model, target, branches=1):
 
 
 def test_block_logits_match_torch(target, taps, drafter_file):  # noqa: F811
-    from blockspec.runtime.drafters_ggml import GgmlDFlashDrafter
+    from blockspec.runtime.drafters.ggml_backend import GgmlDFlashDrafter
 
     path, model = drafter_file
     Kz = model.args.n_categories

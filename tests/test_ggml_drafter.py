@@ -1,4 +1,4 @@
-"""SpecBlock drafter inside llama.cpp (ggml_patches/0006, runtime/drafters_ggml.py) against the torch
+"""SpecBlock drafter inside llama.cpp (ggml_patches/0006, runtime/drafters/ggml_backend.py) against the torch
 reference (models/specblock.py), on the bundled SmolLM2 as the target.
 
 A tiny random SpecBlock at SmolLM2's width is written as a drafter GGUF (f32, f16, q8_0); the torch
@@ -15,13 +15,13 @@ import copy
 import numpy as np
 import pytest
 
-from blockspec.runtime.drafters import make_drafter
+from blockspec.runtime.engine.setup import make_drafter
 from blockspec.runtime.errors import BlockspecError
-from blockspec.runtime.generate import generate
-from blockspec.runtime.prompt import prompt_tokens
-from blockspec.runtime.sampling import SamplingParams
-from blockspec.runtime.target import Target, TargetConfig
-from blockspec.runtime.tree import DraftTree
+from blockspec.runtime.engine.generate import generate
+from blockspec.runtime.llama.prompt import prompt_tokens
+from blockspec.runtime.engine.sampling import SamplingParams
+from blockspec.runtime.llama.target import Target, TargetConfig
+from blockspec.runtime.drafters.tree import DraftTree
 
 from prompts import PROMPTS
 
@@ -165,7 +165,7 @@ def drafters(tmp_path_factory, smollm2_path):
 def _bind_torch(model, target):
     import os
 
-    from blockspec.runtime.drafters_torch import SpecBlockDrafter, _target_weights
+    from blockspec.runtime.drafters.torch_backend import SpecBlockDrafter, _target_weights
 
     # SmolLM2 ties its head to its token embeddings (no output.weight), so one read of the
     # target GGUF (seconds) serves both drafters
@@ -206,7 +206,7 @@ def _run_both(gd, td, toks, feats, feeds=FEEDS):
 
 @pytest.mark.parametrize("outtype", ["f32", "f16", "q8_0"])
 def test_block_logits_match_torch(target, taps, drafters, outtype):
-    from blockspec.runtime.drafters_ggml import GgmlSpecBlockDrafter
+    from blockspec.runtime.drafters.ggml_backend import GgmlSpecBlockDrafter
 
     path, ref = drafters[outtype]
     gd = GgmlSpecBlockDrafter(path, kv_type="f32", n_ctx=128)
@@ -242,7 +242,7 @@ def test_block_logits_match_torch(target, taps, drafters, outtype):
 
 def test_shared_head_matches_torch(target, taps, drafters):
     """draft_vocab_size 0: the block logits come from the target's own (Q4_1) head via ctx_other."""
-    from blockspec.runtime.drafters_ggml import GgmlSpecBlockDrafter
+    from blockspec.runtime.drafters.ggml_backend import GgmlSpecBlockDrafter
 
     path, ref = drafters["shared"]
     gd = GgmlSpecBlockDrafter(path, kv_type="f32", n_ctx=128)
@@ -262,8 +262,8 @@ def test_shared_head_matches_torch(target, taps, drafters):
 
 
 def test_tree_proposals_match_torch(target, taps, drafters):
-    from blockspec.runtime.drafters_ggml import GgmlSpecBlockDrafter
-    from blockspec.runtime.drafters_torch import SpecBlockDrafter
+    from blockspec.runtime.drafters.ggml_backend import GgmlSpecBlockDrafter
+    from blockspec.runtime.drafters.torch_backend import SpecBlockDrafter
 
     path, ref = drafters["f32"]
     gd = GgmlSpecBlockDrafter(path, tree=True, max_nodes=10, kv_type="f32", n_ctx=128)
@@ -302,7 +302,7 @@ def test_greedy_speculative_equals_plain(target, drafters):
 
 
 def test_bad_pairing_and_files_fail_in_one_line(target, drafters, tmp_path, smollm2_path):
-    from blockspec.runtime.drafters_ggml import GgmlSpecBlockDrafter
+    from blockspec.runtime.drafters.ggml_backend import GgmlSpecBlockDrafter
 
     d = GgmlSpecBlockDrafter(drafters["f32"][0])
     d.header["meta"]["model_args"]["target_dim"] = 640  # as if written for a wider target
@@ -319,7 +319,7 @@ def test_bad_pairing_and_files_fail_in_one_line(target, drafters, tmp_path, smol
 
 def test_missing_metadata_names_the_key(target, tmp_path, smollm2_path, monkeypatch):
     """A drafter GGUF without a key the graph needs: header check and llama.cpp both name it."""
-    from blockspec.runtime.drafters_ggml import GgmlSpecBlockDrafter, read_drafter_header
+    from blockspec.runtime.drafters.ggml_backend import GgmlSpecBlockDrafter, read_drafter_header
 
     m = random_specblock(3, draft_vocab_size=64)
     bad = write_gguf(m, tmp_path / "no-topk.gguf", "f32", smollm2_path, skip_keys=("rank_top_k",))
@@ -328,7 +328,7 @@ def test_missing_metadata_names_the_key(target, tmp_path, smollm2_path, monkeypa
     h = read_drafter_header(write_gguf(m, tmp_path / "ok.gguf", "f32", smollm2_path, skip_keys=("x",)))
     assert h["rank_top_k"] == 4 and h["block_size"] == 4 and len(h["d2t"]) == 64
     # llama.cpp's own loader (the runtime header check bypassed) refuses it naming the key
-    import blockspec.runtime.drafters_ggml as dg
+    import blockspec.runtime.drafters.ggml_backend as dg
 
     real = dg.read_drafter_header
     monkeypatch.setattr(dg, "read_drafter_header", lambda p: {**real(tmp_path / "ok.gguf"), "path": str(p)})

@@ -7,7 +7,7 @@ import zipfile
 
 import pytest
 
-from blockspec.runtime import modelfile
+from blockspec.runtime.format import modelfile
 from blockspec.runtime.errors import BlockspecError
 
 

@@ -91,7 +91,7 @@ def test_default_layers():
 
 
 # --- parity with llama.cpp: what the runtime computes ---------------------------------------------
-# The reference is runtime/target.py's Target: flash attention on, GGML_BATCH_INVARIANT=1 (set when
+# The reference is runtime/llama/target.py's Target: flash attention on, GGML_BATCH_INVARIANT=1 (set when
 # that module is imported), batches of at most VERIFY_CHUNK tokens (a verify batch; a token decoded
 # alone gives the same bits), on real chat text (ShareGPT / chitchat rendered with the chat template,
 # evaluation prompts excluded).
@@ -127,7 +127,7 @@ def real_text_tokens(path, n_min: int = PARITY_MIN_TOKENS, n_max: int = PARITY_M
 def runtime_reference(path, tokens: list[int], layers=PARITY_LAYERS, flash_attn: bool = True):
     """llama.cpp's logits [T, V] and layer taps {L: [T, H]} for `tokens` from position 0, decoded
     as the runtime decodes a verify batch (chunks of VERIFY_CHUNK tokens)."""
-    from blockspec.runtime.target import Target, TargetConfig
+    from blockspec.runtime.llama.target import Target, TargetConfig
 
     logits, taps = [], {lid: [] for lid in layers}
     with Target(path, TargetConfig(n_ctx=1024, n_batch=64, flash_attn=flash_attn)) as t:
@@ -175,8 +175,8 @@ def format_figures(name: str, f: dict) -> str:
 @pytest.fixture(scope="module")
 def smollm2_parity():
     try:
-        from blockspec.runtime import llama_ext
-        from blockspec.runtime.modelfile import bundled_model_path
+        from blockspec.runtime.llama import ext as llama_ext
+        from blockspec.runtime.format.modelfile import bundled_model_path
 
         llama_ext.check_abi()
         path = str(bundled_model_path())
@@ -188,7 +188,7 @@ def smollm2_parity():
         pytest.skip(f"training-text packages unavailable: {e}")
     ref_logits, ref_taps = runtime_reference(path, tokens)
     # the runtime's other mode, one token per decode, gives the same bits (batch invariance)
-    from blockspec.runtime.target import Target, TargetConfig
+    from blockspec.runtime.llama.target import Target, TargetConfig
 
     with Target(path, TargetConfig(n_ctx=1024, n_batch=64)) as t:
         for i, tok in enumerate(tokens[:32]):
@@ -224,8 +224,8 @@ def test_tiny_q4_1_exact_parity_with_runtime(tmp_path):
     """exact=True on a tiny random llama with Q4_1 blocks: logits and every layer state equal the
     runtime's (flash attention, verify-sized batches) bit for bit, or nearly (stated tolerance)."""
     try:
-        from blockspec.runtime import llama_ext
-        from blockspec.runtime.modelfile import bundled_model_path
+        from blockspec.runtime.llama import ext as llama_ext
+        from blockspec.runtime.format.modelfile import bundled_model_path
 
         llama_ext.check_abi()
         tok_src = bundled_model_path()

@@ -1,17 +1,17 @@
-"""`--block-size auto` (runtime/policy.py): the depth choice from measured costs, and that the engine
+"""`--block-size auto` (runtime/engine/policy.py): the depth choice from measured costs, and that the engine
 driven by it stays lossless (greedy output == plain) whatever it chooses."""
 
 from __future__ import annotations
 
 import pytest
 
-from blockspec.runtime.drafters import make_drafter, parse_block_size
+from blockspec.runtime.engine.setup import make_drafter, parse_block_size
 from blockspec.runtime.errors import BlockspecError
-from blockspec.runtime.generate import generate
-from blockspec.runtime.policy import DepthPolicy
-from blockspec.runtime.prompt import prompt_tokens
-from blockspec.runtime.sampling import SamplingParams
-from blockspec.runtime.target import Target, TargetConfig
+from blockspec.runtime.engine.generate import generate
+from blockspec.runtime.engine.policy import DepthPolicy
+from blockspec.runtime.llama.prompt import prompt_tokens
+from blockspec.runtime.engine.sampling import SamplingParams
+from blockspec.runtime.llama.target import Target, TargetConfig
 
 from prompts import PROMPTS
 

@@ -16,11 +16,12 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from blockspec.runtime.drafters import Drafter, FixedDrafter, NgramDrafter
-from blockspec.runtime.generate import generate
-from blockspec.runtime.sampling import SamplingParams, target_distribution
-from blockspec.runtime.target import Target, TargetConfig
-from blockspec.runtime.tree import DraftTree
+from blockspec.runtime.drafters.base import Drafter, FixedDrafter
+from blockspec.runtime.drafters.ngram import NgramDrafter
+from blockspec.runtime.engine.generate import generate
+from blockspec.runtime.engine.sampling import SamplingParams, target_distribution
+from blockspec.runtime.llama.target import Target, TargetConfig
+from blockspec.runtime.drafters.tree import DraftTree
 
 torch = pytest.importorskip("torch")
 gguf = pytest.importorskip("gguf")

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from blockspec.runtime.drafters import Drafter
-from blockspec.runtime.generate import generate
-from blockspec.runtime.prompt import prompt_tokens
-from blockspec.runtime.sampling import SamplingParams, target_distribution
-from blockspec.runtime.target import Target, TargetConfig
-from blockspec.runtime.tree import DraftTree
+from blockspec.runtime.drafters.base import Drafter
+from blockspec.runtime.engine.generate import generate
+from blockspec.runtime.llama.prompt import prompt_tokens
+from blockspec.runtime.engine.sampling import SamplingParams, target_distribution
+from blockspec.runtime.llama.target import Target, TargetConfig
+from blockspec.runtime.drafters.tree import DraftTree
 
 N_RUNS = 300
 

@@ -21,8 +21,8 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(smollm2_path):
-    from blockspec.runtime.llama_api import SpeculativeLlama
-    from blockspec.runtime.server import make_app
+    from blockspec.runtime.frontends.llama_api import SpeculativeLlama
+    from blockspec.runtime.frontends.server import make_app
 
     with SpeculativeLlama(str(smollm2_path), method="ngram", n_ctx=1024, n_threads=1) as llm:
         port = _free_port()

@@ -6,13 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from blockspec.runtime.drafters import FixedDrafter, NgramDrafter
-from blockspec.runtime.generate import generate
-from blockspec.runtime.prompt import prompt_tokens
-from blockspec.runtime.sampling import SamplingParams
-from blockspec.runtime.speculative import verify_tree
-from blockspec.runtime.target import Target, TargetConfig
-from blockspec.runtime.tree import DraftTree
+from blockspec.runtime.drafters.base import FixedDrafter
+from blockspec.runtime.drafters.ngram import NgramDrafter
+from blockspec.runtime.engine.generate import generate
+from blockspec.runtime.llama.prompt import prompt_tokens
+from blockspec.runtime.engine.sampling import SamplingParams
+from blockspec.runtime.engine.speculative import verify_tree
+from blockspec.runtime.llama.target import Target, TargetConfig
+from blockspec.runtime.drafters.tree import DraftTree
 
 from prompts import PROMPTS
 
@@ -141,7 +142,7 @@ def test_trees_are_cut_to_the_exact_batch_limit(target, monkeypatch):
 def test_greedy_lossless_on_qwen_k_quants():
     """Q4_K_M weights: ggml's CPU kernels round a batch of 4+ rows differently from a single
     row, so the probe caps verify batches and the output still equals plain decoding."""
-    from blockspec.runtime.modelfile import fetch
+    from blockspec.runtime.format.modelfile import fetch
 
     with Target(fetch("qwen2.5-coder-0.5b", progress=False), TargetConfig(n_ctx=1024, n_seq_max=8)) as t:
         limit = t.exact_batch_limit

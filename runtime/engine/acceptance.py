@@ -35,8 +35,8 @@ from typing import Sequence
 
 import numpy as np
 
-from blockspec.runtime.sampling import SamplingParams, draw, penalize, target_distribution
-from blockspec.runtime.tree import DraftTree
+from blockspec.runtime.engine.sampling import SamplingParams, draw, penalize, target_distribution
+from blockspec.runtime.drafters.tree import DraftTree
 
 
 @dataclass

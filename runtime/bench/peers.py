@@ -59,7 +59,7 @@ def installed_build() -> dict:
 
 def tools_bin_dir() -> Path | None:
     """Where build_tools.py puts upstream's binaries for the installed wheel (None: no stamp)."""
-    from blockspec.runtime.modelfile import cache_dir
+    from blockspec.runtime.format.modelfile import cache_dir
 
     key = installed_build().get("key")
     return cache_dir() / "tools" / key / "bin" if key else None

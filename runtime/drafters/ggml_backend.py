@@ -16,7 +16,7 @@ every layer's context K/V, projected from the conditioning c = cond_norm(fc(targ
                                  are read with blockspec_get_graph_output, then the block's own
                                  cache rows are removed again.
 
-Drafts are deterministic (q = None), as in the torch backend (runtime/drafters_torch.py), so the
+Drafts are deterministic (q = None), as in the torch backend (runtime/drafters/torch_backend.py), so the
 engine's sample-and-match acceptance stays lossless for any tree the drafter picks.
 """
 
@@ -29,9 +29,9 @@ from typing import Sequence
 
 import numpy as np
 
-from blockspec.runtime.drafters import Drafter, common_prefix
+from blockspec.runtime.drafters.base import Drafter, common_prefix
 from blockspec.runtime.errors import BlockspecError
-from blockspec.runtime.tree import DraftTree
+from blockspec.runtime.drafters.tree import DraftTree
 
 MAIN_SEQ = 0
 _KV_TYPES = {"f32": 0, "f16": 1}  # ggml_type ids for the drafter's KV cache
@@ -45,7 +45,7 @@ def _raw():
 
 def _load_error() -> str:
     """llama.cpp's reason for a failed model load (the line naming the bad key or tensor)."""
-    from blockspec.runtime.target import _LOG_STATE, _last_llama_error
+    from blockspec.runtime.llama.target import _LOG_STATE, _last_llama_error
 
     for e in _LOG_STATE["errors"]:
         if "error loading model" in e:
@@ -165,7 +165,7 @@ class GgmlBlockDrafter(Drafter):
         return self.path
 
     def _load(self, path: str | None) -> None:
-        from blockspec.runtime.target import _LOG_STATE, _install_log_callback, safe_extra_bufts
+        from blockspec.runtime.llama.target import _LOG_STATE, _install_log_callback, safe_extra_bufts
 
         if path is None or path == self._model_path:
             return
@@ -215,7 +215,7 @@ class GgmlBlockDrafter(Drafter):
     def _bind(self, target) -> None:
         if self._target is target and self._ctx is not None:
             return
-        from blockspec.runtime.target import _last_llama_error
+        from blockspec.runtime.llama.target import _last_llama_error
 
         ll = _raw()
         if self._ctx is not None:
@@ -330,7 +330,7 @@ class GgmlBlockDrafter(Drafter):
         """One SpecBlock block batch anchored at t (n_rows rows of x[t+1] with the anchor's
         features): {output name: [n_rows, width] float32}. The rank head runs only when its
         output is asked for (patch 0008)."""
-        from blockspec.runtime import llama_ext
+        from blockspec.runtime.llama import ext as llama_ext
 
         ll = _raw()
         llama_ext.blockspec_set_rank_head(self._ctx, "rank_logits" in outputs)
@@ -345,7 +345,7 @@ class GgmlBlockDrafter(Drafter):
     def _graph_outputs(self, names: Sequence[str], n_rows: int = 1) -> dict[str, np.ndarray]:
         """The last block pass's named graph outputs (blockspec_get_graph_output), flat float32,
         each a whole number of n_rows rows."""
-        from blockspec.runtime import llama_ext
+        from blockspec.runtime.llama import ext as llama_ext
 
         out = {}
         for name in names:
@@ -467,7 +467,7 @@ class GgmlDFlashDrafter(GgmlBlockDrafter):
         """Kz > 1: (prior logits [Kz], branch logits [n, n_predict, Vd]) of the block rooted at
         history[-1], for categories z (default: the `branches` most likely under the prior).
         Logits are over the draft vocabulary (to_target maps ids)."""
-        from blockspec.runtime import llama_ext
+        from blockspec.runtime.llama import ext as llama_ext
 
         want = list(z) if z is not None else [-(i + 1) for i in range(self.branches)]
         arr = (ctypes.c_int32 * len(want))(*want)

@@ -92,7 +92,7 @@ def run_chat(*, model: str | None = None, drafter: str | None = None, method: st
              system: str | None = None, max_tokens: int | None = 1024, n_ctx: int = 4096, seed: int | None = None,
              verbose: bool = False, stdin: TextIO | None = None, out: TextIO | None = None,
              err: TextIO | None = None) -> None:
-    from blockspec.runtime.llama_api import SpeculativeLlama
+    from blockspec.runtime.frontends.llama_api import SpeculativeLlama
 
     stdin, out, err = stdin or sys.stdin, out or sys.stdout, err or sys.stderr
     llm = SpeculativeLlama(model, drafter_path=drafter, method=method, drafter_backend=drafter_backend,

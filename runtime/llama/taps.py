@@ -1,7 +1,7 @@
 """Target layer taps: the hidden states a drafter is conditioned on.
 
 `Target.enable_taps` + `Target.tap` read them through our patched symbols
-(runtime/llama_ext.py). This module gives the one-shot form used by feature
+(runtime/llama/ext.py). This module gives the one-shot form used by feature
 extraction and parity tests.
 """
 
@@ -17,7 +17,7 @@ def capture_layer_inputs(model_path: str | os.PathLike, tokens: Sequence[int], l
                          n_ctx: int | None = None) -> dict[int, np.ndarray]:
     """{layer id L: [n_tokens, n_embd] float32 input of layer L} for `tokens` decoded from
     position 0 (L = 0 is the token embedding; 0 <= L < n_layer)."""
-    from blockspec.runtime.target import Target, TargetConfig
+    from blockspec.runtime.llama.target import Target, TargetConfig
 
     tokens = list(tokens)
     n_ctx = n_ctx or max(256, len(tokens) + 1)

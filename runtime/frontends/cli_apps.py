@@ -1,5 +1,5 @@
-"""`blockspec chat` and `blockspec serve`: thin click commands over runtime/chat.py and
-runtime/server.py (heavy imports inside the commands, so `blockspec --help` stays instant)."""
+"""`blockspec chat` and `blockspec serve`: thin click commands over runtime/frontends/chat.py and
+runtime/frontends/server.py (heavy imports inside the commands, so `blockspec --help` stays instant)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def chat(model, drafter, method, drafter_backend, block_size, n_ctx, verbose, te
     Commands: /reset, /stats, /temp X, /exit (or Ctrl-D). Ctrl-C stops the current
     answer and keeps the session; the partial answer stays in the history.
     """
-    from blockspec.runtime.chat import run_chat
+    from blockspec.runtime.frontends.chat import run_chat
 
     run_chat(model=model, drafter=drafter, method=method, drafter_backend=drafter_backend, block_size=block_size,
              temperature=temperature, system=system, max_tokens=max_tokens, n_ctx=n_ctx, seed=seed, verbose=verbose)
@@ -52,7 +52,7 @@ def serve(model, drafter, method, drafter_backend, block_size, n_ctx, verbose, h
     One model, one context: requests are served one at a time, in arrival order (a streamed
     response holds the model until it ends). Listens on 127.0.0.1 unless --host says otherwise.
     """
-    from blockspec.runtime.server import run_server
+    from blockspec.runtime.frontends.server import run_server
 
     run_server(model=model, drafter=drafter, method=method, drafter_backend=drafter_backend, block_size=block_size,
                n_ctx=n_ctx, verbose=verbose, host=host, port=port, model_alias=model_alias)

@@ -17,8 +17,8 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from blockspec.runtime.errors import BlockspecError
-from blockspec.runtime.drafters import common_prefix
-from blockspec.runtime.sampling import SamplingParams, make_rng, sample
+from blockspec.runtime.drafters.base import common_prefix
+from blockspec.runtime.engine.sampling import SamplingParams, make_rng, sample
 
 
 @dataclass
@@ -143,7 +143,7 @@ def generate_stream(target, prompt: Sequence[int], *, max_tokens: int = 256,
     GeneratorExit from an interrupted consumer) the cache holds exactly prompt + emitted
     tokens except the last, and `target.cached` says so.
     """
-    from blockspec.runtime.speculative import speculative_steps
+    from blockspec.runtime.engine.speculative import speculative_steps
 
     prompt = list(prompt)
     if not prompt:

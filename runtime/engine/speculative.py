@@ -2,7 +2,7 @@
 
 The reference loop is upstream's speculative-simple: evaluate [root, drafted...] in one
 batch, accept a prefix, trim the cache — generalised to trees with one sequence id per
-leaf (runtime/tree.py). The cache is restored in `finally`, so an exception or Ctrl-C
+leaf (runtime/drafters/tree.py). The cache is restored in `finally`, so an exception or Ctrl-C
 never leaves tree cells behind: after a step the cache holds exactly the committed
 tokens except the last emitted one, as after a plain step.
 """
@@ -14,9 +14,9 @@ from typing import Iterator
 
 import numpy as np
 
-from blockspec.runtime.acceptance import Verdict, accept
-from blockspec.runtime.sampling import sample
-from blockspec.runtime.tree import DraftTree
+from blockspec.runtime.engine.acceptance import Verdict, accept
+from blockspec.runtime.engine.sampling import sample
+from blockspec.runtime.drafters.tree import DraftTree
 
 MAIN_SEQ = 0
 
@@ -63,7 +63,7 @@ def speculative_steps(s) -> Iterator[list[int]]:
     bonus = sample(s.logits, s.sampling, s.rng, s.tokens)  # the prefill pass's token
     s.stats.record_pass(0)
     yield [bonus]
-    policy = getattr(d, "policy", None)  # runtime/policy.py: --block-size auto (chains)
+    policy = getattr(d, "policy", None)  # runtime/engine/policy.py: --block-size auto (chains)
     while True:
         n_past = len(s.tokens) - 1  # the cache holds tokens[:-1]; the root is tokens[-1]
         t0 = time.perf_counter()

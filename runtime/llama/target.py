@@ -17,7 +17,7 @@ from typing import Sequence
 import numpy as np
 
 from blockspec.runtime.errors import BlockspecError
-from blockspec.runtime.modelfile import check_gguf
+from blockspec.runtime.format.modelfile import check_gguf
 
 
 # Patch 0004: single-token decodes take the same flash-attention path as verify batches,
@@ -258,7 +258,7 @@ class Target:
     def pack_tail(self, seq_id: int, p0: int) -> int:
         """Move the cells of `seq_id` at positions >= p0 right after position p0 - 1, in
         position order (ggml_patches/0003): the cache then looks as after plain decoding."""
-        from blockspec.runtime import llama_ext
+        from blockspec.runtime.llama import ext as llama_ext
 
         moved = llama_ext.blockspec_memory_pack_tail(self._ctx, seq_id, p0)
         if moved < 0:
@@ -314,7 +314,7 @@ class Target:
     def enable_taps(self, layers: Sequence[int]) -> None:
         """Capture the input of each layer in `layers` (0 = token embeddings) on every
         following decode, for all tokens of the batch."""
-        from blockspec.runtime import llama_ext
+        from blockspec.runtime.llama import ext as llama_ext
 
         llama_ext.check_abi()
         for lid in layers:
@@ -326,7 +326,7 @@ class Target:
 
     def tap(self, lid: int) -> np.ndarray:
         """[n_tokens_of_last_decode, n_embd] input of layer `lid`, a copy."""
-        from blockspec.runtime import llama_ext
+        from blockspec.runtime.llama import ext as llama_ext
 
         if lid not in self._taps:
             raise ValueError(f"layer {lid} is not tapped; call enable_taps([{lid}]) before decoding")
@@ -386,7 +386,7 @@ def probe_exact_batch_limit(t: Target) -> int:
 def _cached_exact_batch_limit(t: Target) -> int:
     import json
 
-    from blockspec.runtime.modelfile import cache_dir
+    from blockspec.runtime.format.modelfile import cache_dir
 
     st = t.path.stat()
     key = "|".join(map(str, [t.path.resolve(), st.st_size, int(st.st_mtime), system_info(), t.n_threads,
@@ -407,7 +407,7 @@ def _cached_exact_batch_limit(t: Target) -> int:
 
 
 def open_target(model_path: str | os.PathLike | None = None, **config) -> Target:
-    from blockspec.runtime.modelfile import resolve_model
+    from blockspec.runtime.format.modelfile import resolve_model
 
     return Target(resolve_model(model_path), TargetConfig(**config))
 

@@ -23,12 +23,12 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from blockspec.runtime.drafters import default_method, make_drafter
+from blockspec.runtime.engine.setup import default_method, make_drafter
 from blockspec.runtime.errors import BlockspecError
-from blockspec.runtime.generate import Stats, generate_stream
-from blockspec.runtime.prompt import chat_tokens
-from blockspec.runtime.sampling import SamplingParams
-from blockspec.runtime.target import open_target
+from blockspec.runtime.engine.generate import Stats, generate_stream
+from blockspec.runtime.llama.prompt import chat_tokens
+from blockspec.runtime.engine.sampling import SamplingParams
+from blockspec.runtime.llama.target import open_target
 
 
 class StopText:

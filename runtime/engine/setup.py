@@ -1,0 +1,115 @@
+"""Building what the engine runs: the drafter for a `--method` (one factory for every backend)."""
+
+from __future__ import annotations
+
+from blockspec.runtime.drafters.base import Drafter
+from blockspec.runtime.drafters.ngram import NgramDrafter
+
+
+def shipped_drafter(method: str) -> str | None:
+    """The trained drafter shipped for the bundled model (models/drafters/, rebuilt by
+    `make drafters`), or None. It is paired with the bundled SmolLM2-135M-Instruct Q4_1: any
+    other target refuses it at load with the fingerprint check, like every drafter."""
+    from importlib.util import find_spec
+    from pathlib import Path
+
+    spec = find_spec("blockspec.models")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(root) / "drafters" / f"smollm2-135m-{method}.q8_0.gguf"
+        if path.is_file():
+            return str(path)
+    return None
+
+
+def default_method(model_path: str | None, drafter_path: str | None = None) -> str:
+    """`--method` when none is given: the method of `drafter_path` (its GGUF arch or checkpoint
+    model_type); without a drafter, plain decoding. The shipped drafters are used by naming their
+    method (`--method specblock`); they are not the default because on the 2-core CPU they were
+    measured slower than plain decoding (tau ~1.2 at a draft cost of ~0.35 target tokens; see the
+    bench) — flip this when a shipped drafter wins its bench."""
+    import json
+    from pathlib import Path
+
+    from blockspec.runtime.errors import BlockspecError
+
+    if not drafter_path:
+        return "plain"
+    p = Path(drafter_path)
+    try:
+        if p.is_dir():
+            arch = json.loads((p / "drafter.json").read_text())["model_args"]["model_type"]
+        else:
+            from blockspec.runtime.format.gguf_header import GGUFHeader
+
+            arch = GGUFHeader(str(p)).fields["general.architecture"]
+    except (OSError, ValueError, KeyError) as e:
+        raise BlockspecError(f"cannot tell the drafter's method from {p} ({type(e).__name__}: {e}); "
+                             "pass --method") from None
+    if arch not in ("specblock", "dblast"):
+        raise BlockspecError(f"{p} is a {arch!r} file, not a specblock or dblast drafter")
+    return arch
+
+
+AUTO_NGRAM_DEPTH = 6  # the deepest n-gram draft `--block-size auto` considers
+
+
+def parse_block_size(value) -> int | str:
+    """`--block-size`: a positive number of drafted tokens, or "auto" (runtime/engine/policy.py)."""
+    from blockspec.runtime.errors import BlockspecError
+
+    if str(value).strip().lower() == "auto":
+        return "auto"
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        n = 0
+    if n < 1:
+        raise BlockspecError(f"--block-size {value!r}: expected a number of tokens >= 1, or auto")
+    return n
+
+
+def make_drafter(method: str, drafter_path: str | None = None, backend: str | None = None,
+                 block_size: int | str = 4, branches: int = 1) -> Drafter | None:
+    """The drafter for a `--method` (None for plain decoding). block_size "auto": the drafter's
+    deepest chain, each step's depth chosen by a measured cost model (runtime/engine/policy.py)."""
+    from blockspec.runtime.errors import BlockspecError
+
+    block_size = parse_block_size(block_size)
+    if block_size == "auto":
+        if branches > 1:
+            raise BlockspecError("--block-size auto chooses the depth of a chain: use it with --branches 1")
+        from blockspec.runtime.engine.policy import DepthPolicy
+
+        d = make_drafter(method, drafter_path, backend, AUTO_NGRAM_DEPTH if method == "ngram" else 10 ** 6)
+        if d is not None:
+            d.policy = DepthPolicy(d.block_size)
+        return d
+    if method == "plain":
+        return None
+    if method == "ngram":
+        return NgramDrafter(block_size=block_size, branches=branches)
+    if method in ("specblock", "dblast"):  # need a trained drafter
+        drafter_path = drafter_path or shipped_drafter(method)
+        if not drafter_path:
+            raise BlockspecError(f"--method {method} needs --drafter PATH (a GGUF from `blockspec convert "
+                                 f"drafter`, or a checkpoint dir from `blockspec train {method}`)")
+        if backend is None:  # a GGUF drafter runs in llama.cpp (SpecBlock: patch 0006; DBlast: dflash + 0008)
+            backend = "ggml" if str(drafter_path).endswith(".gguf") else "torch"
+        if backend == "ggml":
+            from pathlib import Path
+
+            if Path(drafter_path).is_dir():
+                raise BlockspecError(f"the ggml backend runs GGUF drafters; {drafter_path} is a checkpoint dir "
+                                     f"(convert it with `blockspec convert drafter`, or use --drafter-backend torch)")
+            from blockspec.runtime.drafters.ggml_backend import make_ggml_drafter
+
+            return make_ggml_drafter(method, drafter_path, block_size=block_size, branches=branches)
+        if backend != "torch":
+            raise BlockspecError(f"unknown drafter backend {backend!r} (torch or ggml)")
+        from blockspec.runtime.drafters.torch_backend import make_torch_drafter
+
+        return make_torch_drafter(method, drafter_path, block_size=block_size, branches=branches)
+    raise BlockspecError(f"unknown method {method!r}; available: {', '.join(METHODS)}")
+
+
+METHODS = ("plain", "ngram", "specblock", "dblast")
