@@ -137,3 +137,15 @@ def data_cmd(target, sources, out, layers, **opts):
     lids = [int(x) for x in layers.split(",") if x.strip()] or default_layers(n_layer, 5)
     summary = run_engine(target, [s for s in sources.split(",") if s], out, lids, EngineConfig(**opts))
     click.echo(json.dumps(summary))
+
+
+@train.command("eval")
+@click.option("--drafter", required=True, type=click.Path(exists=True), help="checkpoint dir or drafter GGUF")
+@click.option("--data", required=True, type=click.Path(exists=True), help="self-distilled cache (`train data`)")
+@click.option("--target", required=True, type=click.Path(exists=True), help="target GGUF")
+@click.option("--batches", default=32, show_default=True, help="held-out batches of 8 sequences x 16 blocks")
+def eval_cmd(drafter, data, target, batches):
+    """Held-out acceptance of a drafter on the target's own answers (what greedy serving sees)."""
+    from .train import evaluate_drafter
+
+    click.echo(json.dumps(evaluate_drafter(drafter, data, target, n_batches=batches)))

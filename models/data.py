@@ -363,10 +363,15 @@ class RaggedFeatures:
 
     kind = "cache"
 
-    def __init__(self, meta: dict, flat: dict, lengths: np.ndarray, answer_start: np.ndarray):
+    def __init__(self, meta: dict, flat: dict, lengths: np.ndarray, answer_start: np.ndarray,
+                 prompt_idx: np.ndarray | None = None, sampled: np.ndarray | None = None):
         self.meta, self.flat = meta, flat
         self.lengths = lengths.astype(np.int64)
         self.answer_start = answer_start.astype(np.int64)
+        # the prompt each sequence answers: the held-out split is chosen by it, so it stays the
+        # same prompts while the cache grows
+        self.prompt_idx = np.arange(len(lengths)) if prompt_idx is None else prompt_idx.astype(np.int64)
+        self.sampled = np.zeros(len(lengths), bool) if sampled is None else sampled.astype(bool)
         self.offsets = np.concatenate([[0], np.cumsum(self.lengths)[:-1]]).astype(np.int64)
 
     @classmethod
@@ -399,8 +404,8 @@ class RaggedFeatures:
                 break
         flat = {k: np.concatenate([p[k] for p in parts]) for k in FEATURE_KEYS}
         np.maximum(flat["top_logp"], -30.0, out=flat["top_logp"])  # early caches wrote -inf in prompts
-        return cls(meta, flat, np.concatenate([p["lengths"] for p in parts]),
-                   np.concatenate([p["answer_start"] for p in parts]))
+        return cls(meta, flat, *(np.concatenate([p[k] for p in parts]) for k in ("lengths", "answer_start",
+                                                                              "prompt_idx", "sampled")))
 
     def rows(self, idx: np.ndarray) -> dict:
         """Same contract as CachedFeatures.rows (past a row's length: its last token's values)."""
@@ -413,7 +418,8 @@ class RaggedFeatures:
         """Token frequencies for the draft vocabulary: the target's greedy tokens in its answers."""
         pos = np.arange(len(self.flat["tokens"]))
         seq = np.repeat(np.arange(len(self.lengths)), self.lengths)
-        ans = pos - self.offsets[seq] >= self.answer_start[seq] - 1
+        rel = pos - self.offsets[seq]
+        ans = (rel >= self.answer_start[seq] - 1) & (rel < self.lengths[seq] - 1)  # the last token: no logits
         return np.bincount(self.flat["greedy"][ans], minlength=vocab_size)
 
 

@@ -272,6 +272,17 @@ def run_engine(target_path: str | os.PathLike, sources: Sequence[str], out_dir: 
             n += 1
             yield idx, toks
 
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        # Ctrl-C or a kill (SIGTERM; SIGINT too, which a shell ignores in background jobs) stops
+        # the run cleanly: finished answers are written, the ones in flight are redone on resume
+        def _stop(signum, frame):
+            raise KeyboardInterrupt
+
+        signal.signal(signal.SIGTERM, _stop)
+        signal.signal(signal.SIGINT, _stop)
     todo = prompts()
     bar = tqdm(total=cfg.n_prompts, initial=len(writer.done), unit="prompt", desc="self-distill",
                disable=not progress, mininterval=2.0)

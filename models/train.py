@@ -159,6 +159,15 @@ class Batches:
         n = len(source.lengths)
         n_held = max(1, int(round(n * heldout_frac))) if n > 1 else 0
         self.split = {"train": np.arange(0, n - n_held), "heldout": np.arange(n - n_held, n)}
+        pidx = getattr(source, "prompt_idx", None)
+        if pidx is not None and n_held:
+            # every round(1/heldout_frac)-th prompt: the same prompts however far the cache has grown
+            # the estimate predicts greedy serving: held-out prompts with sampled answers are unused
+            held = pidx % max(1, int(round(1 / heldout_frac))) == 0
+            greedy = ~np.asarray(getattr(source, "sampled", np.zeros(n, bool)))
+            self.split = {"train": np.flatnonzero(~held), "heldout": np.flatnonzero(held & greedy)}
+            if not len(self.split["train"]):
+                self.split["train"] = self.split["heldout"]
         if len(self.split["train"]) == 0:
             self.split["train"] = self.split["heldout"]
         self.rng = np.random.default_rng(seed)
@@ -449,6 +458,8 @@ def train(c: TrainConfig, target=None, progress: bool = True, source=None) -> di
         counts = source.label_counts(margs["vocab_size"])
         d2t = torch.from_numpy(np.argsort(-counts, kind="stable")[: margs["draft_vocab_size"]].copy())
         model.vocab.set_vocab(d2t, target.head_weight)
+        coverage = float(counts[d2t.numpy()].sum() / max(1, counts.sum()))
+        print(json.dumps(dict(draft_vocab=margs["draft_vocab_size"], label_coverage=round(coverage, 4))), flush=True)
     if c.feature_scale and not c.no_target_features:
         # 1/RMS per feature dimension over up to 64 training rows, positions 1..len-1 (position 0
         # carries the attention-sink outliers); a checkpoint resumed below keeps its own scale
@@ -510,3 +521,34 @@ def train(c: TrainConfig, target=None, progress: bool = True, source=None) -> di
     if last_eval is None:
         last_eval = estimate_acceptance(model, batches, c)
     return last_eval
+
+
+def evaluate_drafter(drafter: str, data: str, target_path: str, n_batches: int = 32, batch_size: int = 8,
+                     anchors: int = 16, heldout_frac: float = 0.1, target=None) -> dict:
+    """The held-out estimate of a drafter (checkpoint dir or GGUF) on a self-distilled cache: the
+    same blocks `train` evaluates (held-out prompts' greedy answers, anchored in the answers, every
+    answer token weighted alike). accept = expected accepted prefix of a greedy block, so the
+    chain's tau (tokens per target pass) is 1 + accept."""
+    from blockspec.runtime.errors import BlockspecError
+
+    from . import data as data_mod
+    from .target import load_target
+
+    target = target or load_target(target_path)
+    if Path(drafter).is_dir():
+        model, meta = load_drafter(drafter, target)
+    else:
+        from blockspec.converters.drafter import read_drafter_gguf
+
+        model, meta = read_drafter_gguf(drafter)
+        model.bind_target(target.tok_embeddings.weight, target.head_weight)
+    a = model.args
+    source = data_mod.open_feature_cache(data, list(a.target_layers))
+    if getattr(source, "answer_start", None) is None:
+        raise BlockspecError(f"--data {data}: not a self-distilled cache (`blockspec train data`)")
+    c = TrainConfig(method=a.model_type, batch_size=batch_size, anchors_per_seq=anchors, eval_batches=n_batches)
+    batches = Batches(source, a.n_predict, heldout_frac, seed=0)
+    res = estimate_acceptance(model, batches, c)
+    return dict(drafter=str(drafter), accept=round(res["accept"], 4), tau=round(1 + res["accept"], 4),
+                first_token=round(res["match_per_pos"][0], 4), blocks=res["blocks"],
+                match_per_pos=[round(x, 4) for x in res["match_per_pos"]], heldout_prompts=len(batches.split["heldout"]))

@@ -1,0 +1,133 @@
+"""The self-distillation data engine (models/data_engine.py) on the real bundled target.
+
+Batches under 64 rows run the batch-invariant kernels (patch 0004), so the engine's greedy answers
+must be plain decoding's token for token and its feature rows the taps of a one-sequence decode."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from conftest import run_cli
+from prompts import PROMPTS
+
+LAYERS = [1, 15, 29]
+
+
+def _prompts_file(tmp_path, n):
+    p = tmp_path / "prompts.jsonl"
+    p.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in PROMPTS[:n]))
+    return p
+
+
+def _run(smollm2_path, prompts, out, **kw):
+    from blockspec.models.data_engine import EngineConfig, run_engine
+
+    cfg = EngineConfig(**{**dict(n_prompts=4, n_parallel=3, max_new=12, shard_size=2, sample_frac=0.5,
+                                 threads=1), **kw})
+    return run_engine(smollm2_path, [str(prompts)], out, LAYERS, cfg, progress=False)
+
+
+def _sequences(out):
+    seqs = []
+    for p in sorted(out.glob("shard_*.safetensors")):
+        sh = load_file(str(p))
+        off = np.concatenate([[0], np.cumsum(sh["lengths"])])
+        for i in range(len(sh["lengths"])):
+            seqs.append({k: (sh[k][off[i]:off[i + 1]] if sh[k].shape[0] == off[-1] else sh[k][i]) for k in sh})
+    return sorted(seqs, key=lambda s: int(s["prompt_idx"]))
+
+
+def test_answers_and_features_match_plain_decoding(smollm2_path, tmp_path):
+    from blockspec.runtime.engine.generate import generate
+    from blockspec.runtime.llama.prompt import prompt_tokens
+    from blockspec.runtime.llama.target import Target, TargetConfig
+
+    out = tmp_path / "data"
+    summary = _run(smollm2_path, _prompts_file(tmp_path, 4), out)
+    assert summary["prompts"] == 4 and summary["shards"] == 2
+    seqs = _sequences(out)
+    assert [int(s["prompt_idx"]) for s in seqs] == [0, 1, 2, 3]
+    assert {int(s["sampled"]) for s in seqs} == {0, 1}  # sample_frac 0.5 over 4 prompts (seeded)
+    with Target(smollm2_path, TargetConfig(n_ctx=1024, n_threads=1)) as t:
+        t.enable_taps(LAYERS)
+        for s in seqs:
+            toks, a = s["tokens"].tolist(), int(s["answer_start"])
+            assert toks[:a] == prompt_tokens(t, PROMPTS[int(s["prompt_idx"])])
+            if not s["sampled"]:
+                t.clear()
+                plain = generate(t, toks[:a], max_tokens=12).tokens
+                assert toks[a:] == plain
+            # feature rows = taps of the same tokens decoded one sequence alone (f16 storage)
+            t.clear()
+            t.decode(toks[:-1], range(len(toks) - 1), logits=[True] * (len(toks) - 1))
+            ref = np.concatenate([t.tap(lid) for lid in LAYERS], -1)
+            got = s["feats"][:-1].astype(np.float32)
+            scale = np.abs(ref).max(1, keepdims=True)
+            assert np.abs(got - ref).max() <= 2e-3 * scale.max()
+            # answer positions: the target's argmax and top-k log-probs (descending, normalised)
+            rows = np.stack([t.logits_row(i) for i in range(a - 1, len(toks) - 1)])
+            assert np.array_equal(s["greedy"][a - 1:-1], rows.argmax(-1))
+            lp = s["top_logp"][a - 1:-1].astype(np.float32)
+            assert np.all(np.diff(lp, axis=-1) <= 0) and np.all(lp <= 0)
+            assert np.array_equal(s["top_ids"][a - 1:-1, 0], rows.argmax(-1))
+
+
+def test_resume_after_interruption_and_full_disk(smollm2_path, tmp_path, monkeypatch):
+    from blockspec.models import data_engine
+    from blockspec.runtime.errors import BlockspecError
+
+    prompts = _prompts_file(tmp_path, 6)
+    out = tmp_path / "data"
+    _run(smollm2_path, prompts, out, n_prompts=2)
+    first = sorted(p.name for p in out.glob("shard_*"))
+    (out / "shard_00009.tmp").write_bytes(b"cut short")  # a crash mid-write
+    # the disk fills up: the run stops with one line, the shards written stay
+    real = shutil.disk_usage
+    monkeypatch.setattr(data_engine.shutil, "disk_usage", lambda p: real(p)._replace(free=1 << 20))
+    with pytest.raises(BlockspecError, match="out of disk"):
+        _run(smollm2_path, prompts, out, n_prompts=6)
+    assert sorted(p.name for p in out.glob("shard_*")) == first
+    monkeypatch.undo()
+    summary = _run(smollm2_path, prompts, out, n_prompts=6)
+    assert summary["done_before"] == 2 and summary["prompts"] == 6
+    assert not list(out.glob("*.tmp"))
+    assert [int(s["prompt_idx"]) for s in _sequences(out)] == list(range(6))
+    with pytest.raises(BlockspecError, match="other settings"):
+        _run(smollm2_path, prompts, out, n_prompts=6, max_new=13)
+
+
+def test_trainer_reads_answers_only(smollm2_path, tmp_path):
+    from blockspec.models.data import RaggedFeatures
+    from blockspec.models.train import Batches
+
+    out = tmp_path / "data"
+    _run(smollm2_path, _prompts_file(tmp_path, 4), out)
+    src = RaggedFeatures.load(out, [29, 1])
+    assert src.flat["feats"].shape[1] == 2 * src.meta["dim"]
+    batches = Batches(src, 4, 0.25, seed=0)
+    assert np.array_equal(batches.lo, src.answer_start - 1)
+    rows = np.random.default_rng(7).choice(batches.split["train"], size=6, p=batches.row_p["train"])
+    b = batches.get_batch("train", 6, 5, rng=np.random.default_rng(7))
+    anc = b["anchors"].numpy()
+    assert (anc >= batches.lo[rows][:, None]).all() and (anc <= src.lengths[rows][:, None] - 2).all()
+    # `last` is the answer token after the anchor; labels are the target's argmax there
+    for i, r in enumerate(rows):
+        seq = src.rows(np.array([r]))
+        assert np.array_equal(b["last"][i].numpy(), seq["tokens"][0, anc[i] + 1])
+        assert np.array_equal(b["labels"][i, :, 0].numpy(), seq["greedy"][0, anc[i] + 1])
+    counts = src.label_counts(src.meta["vocab_size"])
+    assert counts.sum() == sum(int(n - a) for n, a in zip(src.lengths, src.answer_start))
+
+
+def test_bad_prompts_file_names_the_line(smollm2_path, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "hello"}\n{"prompt": \n')
+    r = run_cli("train", "data", "--target", str(smollm2_path), "--prompts", str(bad), "--out",
+                str(tmp_path / "o"), "--n-prompts", "2", "--threads", "1")
+    assert r.returncode != 0
+    assert f"{bad}:2" in r.stderr.strip().splitlines()[-1]
