@@ -1,7 +1,7 @@
 """SpecBlock / DBlast drafter checkpoints <-> blockspec drafter GGUF (layout: converters/keys.py).
 
     convert_drafter(ckpt, out_path, outtype="f16", target=None) -> Path
-    load_drafter_gguf(path) -> torch module      (read_drafter_gguf: module and its metadata)
+    read_drafter_gguf(path) -> (torch module, meta)
     read_drafter_meta(path) -> dict              (no torch: for the ggml backend's pairing check)
     target_fingerprint(target_gguf) -> dict;  check_pairing(drafter_meta, fingerprint)
 
@@ -388,8 +388,3 @@ def read_drafter_gguf(path: str | os.PathLike):
     model.load_state_dict(state)
     meta["model_args"] = _args_dict(model.args)
     return model.eval(), meta
-
-
-def load_drafter_gguf(path: str | os.PathLike):
-    """The torch SpecBlock/DBlast module of a drafter GGUF (dequantized to float32)."""
-    return read_drafter_gguf(path)[0]

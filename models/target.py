@@ -691,9 +691,5 @@ def write_tiny_gguf(path: str | os.PathLike, args: ModelArgs, seed: int = 0,
     return {k: v.detach().clone() for k, v in state.items()}
 
 
-def param_count(module: nn.Module, trainable_only: bool = False) -> int:
-    return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable_only)
-
-
 __all__ = ["ModelArgs", "TargetModel", "load_target", "read_gguf_args", "gguf_to_torch_name",
            "write_tiny_gguf", "bundled_smollm2", "chat_template"]

@@ -16,8 +16,9 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from blockspec.runtime.drafters.base import Drafter, FixedDrafter
+from blockspec.runtime.drafters.base import Drafter
 from blockspec.runtime.drafters.ngram import NgramDrafter
+from fixed_drafter import FixedDrafter
 from blockspec.runtime.engine.generate import generate
 from blockspec.runtime.engine.sampling import SamplingParams, target_distribution
 from blockspec.runtime.llama.target import Target, TargetConfig

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from blockspec.runtime.drafters.base import FixedDrafter
 from blockspec.runtime.drafters.ngram import NgramDrafter
+from fixed_drafter import FixedDrafter
 from blockspec.runtime.engine.generate import generate
 from blockspec.runtime.llama.prompt import prompt_tokens
 from blockspec.runtime.engine.sampling import SamplingParams

@@ -63,9 +63,22 @@ def _layer_input_name(lid: int) -> str:
     return "embd" if lid == 0 else f"l_out-{lid - 1}"
 
 
-def check_taps_match_cb_eval(path: Path, layers: list[int]) -> None:
-    from blockspec.runtime.llama.taps import capture_layer_inputs
+def capture_layer_inputs(path: Path, tokens: list[int], layers: list[int]) -> dict[int, np.ndarray]:
+    """{layer id L: [n_tokens, n_embd] input of layer L} for `tokens` decoded from position 0,
+    read through our patched tap symbols (Target.enable_taps + Target.tap)."""
+    rows: dict[int, list[np.ndarray]] = {lid: [] for lid in layers}
+    with Target(path, TargetConfig(n_ctx=max(256, len(tokens) + 1), n_batch=min(512, max(32, len(tokens))))) as t:
+        t.enable_taps(layers)
 
+        def grab(_chunk):
+            for lid in layers:
+                rows[lid].append(t.tap(lid))
+
+        t.prefill(list(tokens), on_chunk=grab)
+    return {lid: np.concatenate(parts, axis=0) for lid, parts in rows.items()}
+
+
+def check_taps_match_cb_eval(path: Path, layers: list[int]) -> None:
     with Target(path, TargetConfig(n_ctx=512)) as t:
         tokens = t.tokenize(TEXT)
     taps = capture_layer_inputs(path, tokens, layers)

@@ -1,4 +1,4 @@
-"""The drafter interface, and the model-free n-gram (prompt lookup) drafter.
+"""The drafter interface (the n-gram drafter and the block drafters implement it).
 
 A drafter sees the committed tokens (and, if it asks for them, the target's layer taps
 for every committed row) and proposes a `DraftTree` rooted at the last emitted token.
@@ -50,20 +50,3 @@ class Drafter:
     def propose(self, history: Sequence[int]) -> DraftTree:
         """A tree rooted at history[-1] (the last emitted token, not yet in the cache)."""
         raise NotImplementedError
-
-
-class FixedDrafter(Drafter):
-    """Proposes a continuation known in advance (e.g. the target's own greedy output);
-    for tests of the engine and as an upper bound on acceptance."""
-
-    name = "fixed"
-
-    def __init__(self, continuation: Sequence[int], start: int, block_size: int = 4):
-        self.continuation = list(continuation)  # tokens expected at positions start..
-        self.start = start
-        self.block_size = block_size
-        self.max_nodes = block_size
-
-    def propose(self, history: Sequence[int]) -> DraftTree:
-        at = len(history) - self.start  # index of the first token after the root
-        return DraftTree.chain(int(history[-1]), self.continuation[at: at + self.block_size])
