@@ -7,17 +7,12 @@ without flash attention (which the torch model does not emulate), for reference.
 Run: .venv/bin/python benchmarks/torch_parity_fa.py [--fast-only] [--no-flash-attn]"""
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from test_models_target import (format_figures, parity_figures, real_text_tokens,  # noqa: E402
-                                runtime_reference)
-
-from blockspec.models import target as tgt  # noqa: E402
+from blockspec.models import target as tgt
+from blockspec.models.parity import format_figures, parity_figures, real_text_tokens, runtime_reference
 
 
 def main() -> None:

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from blockspec.converters.gguf_out import gguf_writer
 from blockspec.runtime.errors import BlockspecError
+from blockspec.runtime.format.drafter_gguf import gguf_writer
 
 ARCH = "blockpilot"
 FEATURE_KIND = "softmax_summary"

@@ -50,8 +50,8 @@ from pathlib import Path
 
 import numpy as np
 
-from blockspec.converters.gguf_out import gguf_writer
 from blockspec.runtime.errors import BlockspecError
+from blockspec.runtime.format.drafter_gguf import gguf_writer
 
 ARCH = "dflash"
 MASK_TOKEN_TEXT = "<|blockspec_mask|>"
@@ -98,7 +98,7 @@ def _encode(w, name: str, arr: np.ndarray, outtype: str) -> None:
 def _load_model(model_or_ckpt):
     """A drafter module, a `blockspec train` checkpoint dir or a blockspec drafter GGUF -> module."""
     if isinstance(model_or_ckpt, (str, os.PathLike)):
-        from blockspec.runtime.drafters.torch_backend import load_checkpoint
+        from blockspec.models.checkpoint import load_checkpoint
 
         return load_checkpoint(model_or_ckpt)[0]
     return model_or_ckpt

@@ -538,7 +538,7 @@ def evaluate_drafter(drafter: str, data: str, target_path: str, n_batches: int =
     if Path(drafter).is_dir():
         model, meta = load_drafter(drafter, target)
     else:
-        from blockspec.converters.drafter import read_drafter_gguf
+        from blockspec.models.checkpoint import read_drafter_gguf
 
         model, meta = read_drafter_gguf(drafter)
         model.bind_target(target.tok_embeddings.weight, target.head_weight)

@@ -1,4 +1,4 @@
-"""Drafter GGUF converter (converters/drafter.py, layout converters/keys.py = FORMAT.md).
+"""Drafter GGUF converter (converters/drafter.py, layout runtime/format/drafter_gguf.py).
 
 Tiny random SpecBlock / DBlast drafters (Kz = 1 and 4, with and without a reduced draft vocabulary)
 -> GGUF (f32, f16, q8_0) -> gguf.GGUFReader: every key (name and type) and tensor (name, shape,
@@ -21,8 +21,9 @@ from blockspec.runtime.errors import BlockspecError
 torch = pytest.importorskip("torch")
 gguf = pytest.importorskip("gguf")
 
-from blockspec.converters.drafter import (OUTTYPES, CONVERTERS, check_pairing, convert_drafter,  # noqa: E402
-                                          read_drafter_gguf, read_drafter_meta, target_fingerprint)
+from blockspec.converters.drafter import CONVERTERS, convert_drafter  # noqa: E402
+from blockspec.models.checkpoint import read_drafter_gguf  # noqa: E402
+from blockspec.runtime.format.drafter_gguf import OUTTYPES, check_pairing, read_drafter_meta, target_fingerprint  # noqa: E402
 from blockspec.models import build_model  # noqa: E402
 from blockspec.models.target import ModelArgs as TargetArgs, write_tiny_gguf  # noqa: E402
 
@@ -350,7 +351,7 @@ def test_gguf_drafter_in_engine_equals_plain(smollm2_path, tmp_path):
 def test_read_gguf_tensors_equals_gguf_reader(targets, tmp_path):
     """The header-only tensor reader (used to share the target's embeddings) returns what
     gguf.GGUFReader + dequantize return, for F32, F16, Q8_0 and I32 tensors; absent names are skipped."""
-    from blockspec.converters.drafter import read_gguf_tensors
+    from blockspec.runtime.format.drafter_gguf import read_gguf_tensors
     from blockspec.models.target import dequantize_tensor
 
     path = convert_drafter(make_drafter("specblock-dv"), tmp_path / "d.gguf", "q8_0", target=targets["ok"])

@@ -65,7 +65,7 @@ def drafter_file(request, tmp_path_factory, smollm2_path):
     path = convert_drafter(m, tmp_path_factory.mktemp("dflash") / f"{request.param}.gguf", outtype,
                            target=smollm2_path)
     if outtype == "f16":  # the torch reference computes with the weights the GGUF holds
-        from blockspec.runtime.drafters.torch_backend import load_checkpoint
+        from blockspec.models.checkpoint import load_checkpoint
 
         m = load_checkpoint(path)[0].float().eval()
     return str(path), m

@@ -65,7 +65,7 @@ def random_specblock(seed: int, **over):
 
 def _stored(model, outtype: str):
     """The torch drafter holding exactly what a GGUF of `outtype` stores (FORMAT.md rules)."""
-    from blockspec.converters.keys import keep_f32, torch_to_gguf_name
+    from blockspec.runtime.format.drafter_gguf import keep_f32, torch_to_gguf_name
 
     ref = copy.deepcopy(model)
     if outtype == "f32":
@@ -87,7 +87,7 @@ def _stored(model, outtype: str):
 
 def write_gguf(model, path, outtype: str, target_path, skip_keys=()) -> str:
     """Drafter GGUF through the project's converter when it is there, else the FORMAT.md layout
-    written directly (the same keys and tensor names, from converters/keys.py); `skip_keys`
+    written directly (the same keys and tensor names, from runtime/format/drafter_gguf.py); `skip_keys`
     (ModelArgs fields) writes a broken file without those keys."""
     try:
         from blockspec.converters.drafter import convert_drafter
@@ -95,7 +95,7 @@ def write_gguf(model, path, outtype: str, target_path, skip_keys=()) -> str:
         convert_drafter = None
     if convert_drafter is not None and not skip_keys:
         return str(convert_drafter(model, path, outtype=outtype, target=str(target_path)))
-    from blockspec.converters.keys import ARGS_KEYS, ARCH_ARGS_KEYS, Keys, keep_f32, torch_to_gguf_name
+    from blockspec.runtime.format.drafter_gguf import ARGS_KEYS, ARCH_ARGS_KEYS, Keys, keep_f32, torch_to_gguf_name
 
     a, arch = model.args, "specblock"
     w = gguf.GGUFWriter(str(path), arch)

@@ -31,6 +31,7 @@ import numpy as np
 
 from blockspec.runtime.drafters.base import Drafter, common_prefix
 from blockspec.runtime.errors import BlockspecError
+from blockspec.runtime.format.drafter_gguf import check_pairing, read_drafter_header, target_fingerprint
 from blockspec.runtime.drafters.tree import DraftTree
 
 MAIN_SEQ = 0
@@ -41,86 +42,6 @@ def _raw():
     from llama_cpp import llama_cpp
 
     return llama_cpp
-
-
-def _load_error() -> str:
-    """llama.cpp's reason for a failed model load (the line naming the bad key or tensor)."""
-    from blockspec.runtime.llama.target import _LOG_STATE, _last_llama_error
-
-    for e in _LOG_STATE["errors"]:
-        if "error loading model" in e:
-            return e.split("error loading model: ")[-1]
-    return _last_llama_error()
-
-
-_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value type -> bytes
-
-
-def gguf_architecture(path: str | os.PathLike) -> str | None:
-    """general.architecture of a GGUF from its header alone (a full GGUFReader parses every
-    tokenizer string of a target: seconds); None if the file is not a GGUF."""
-    import struct
-
-    with open(path, "rb") as f:
-        head = f.read(24)
-        if len(head) < 24 or head[:4] != b"GGUF":
-            return None
-        n_kv = struct.unpack("<Q", head[16:24])[0]
-
-        def rstr():
-            (n,) = struct.unpack("<Q", f.read(8))
-            return f.read(n)
-
-        def skip(vtype):
-            if vtype == 8:
-                rstr()
-            elif vtype == 9:
-                itype, n = struct.unpack("<IQ", f.read(12))
-                if itype in _SCALAR:
-                    f.seek(_SCALAR[itype] * n, 1)
-                else:
-                    for _ in range(n):
-                        skip(itype)
-            else:
-                f.seek(_SCALAR[vtype], 1)
-
-        for _ in range(n_kv):
-            key = rstr()
-            (vtype,) = struct.unpack("<I", f.read(4))
-            if key == b"general.architecture" and vtype == 8:
-                return rstr().decode("utf-8", "replace")
-            skip(vtype)
-    return None
-
-
-def read_drafter_header(path: str | os.PathLike) -> dict:
-    """The drafter GGUF's hyperparameters (its model_args), `meta` for the pairing check
-    (converters/drafter.py read_drafter_meta), and `d2t` (absolute target ids, or None)."""
-    import gguf
-
-    from blockspec.converters.drafter import read_drafter_meta
-    from blockspec.converters.keys import ARCHS
-
-    p = Path(path)
-    if not p.is_file():
-        raise BlockspecError(f"drafter GGUF {p} does not exist")
-    arch = gguf_architecture(p)  # before any full read: a target GGUF takes seconds to parse
-    if arch not in ARCHS:
-        what = "not a GGUF file" if arch is None else f"a {arch!r} GGUF"
-        raise BlockspecError(f"{p} is {what}, not a blockspec drafter ({' or '.join(ARCHS)})")
-    meta = read_drafter_meta(p)
-    h = dict(meta["model_args"], arch=arch, path=str(p), meta=meta)
-    d2t = None
-    if h["draft_vocab_size"]:
-        t = next((t for t in gguf.GGUFReader(str(p)).tensors if t.name == "d2t"), None)
-        if t is None:
-            raise BlockspecError(f"{p}: draft_vocab_size {h['draft_vocab_size']} but no d2t tensor")
-        d2t = np.array(t.data, dtype=np.int64).reshape(-1)
-        if d2t.shape[0] != h["draft_vocab_size"] or d2t.min() < 0 or d2t.max() >= h["vocab_size"]:
-            raise BlockspecError(f"{p}: d2t does not map {h['draft_vocab_size']} draft ids into the "
-                                 f"target vocabulary of {h['vocab_size']}")
-    h["d2t"] = d2t
-    return h
 
 
 class GgmlBlockDrafter(Drafter):
@@ -165,7 +86,7 @@ class GgmlBlockDrafter(Drafter):
         return self.path
 
     def _load(self, path: str | None) -> None:
-        from blockspec.runtime.llama.target import _LOG_STATE, _install_log_callback, safe_extra_bufts
+        from blockspec.runtime.llama.target import clear_llama_errors, install_log_callback, load_error, safe_extra_bufts
 
         if path is None or path == self._model_path:
             return
@@ -173,14 +94,14 @@ class GgmlBlockDrafter(Drafter):
         if self._model is not None:
             ll.llama_model_free(self._model)
             self._model = None
-        _install_log_callback(False)
+        install_log_callback(False)
         mp = ll.llama_model_default_params()
         mp.n_gpu_layers = -1
         mp.use_extra_bufts = safe_extra_bufts()
-        _LOG_STATE["errors"] = []
+        clear_llama_errors()
         self._model = ll.llama_model_load_from_file(str(path).encode(), mp)
         if not self._model:
-            raise BlockspecError(f"llama.cpp could not load drafter {path}: {_load_error()}")
+            raise BlockspecError(f"llama.cpp could not load drafter {path}: {load_error()}")
         self._model_path = path
         self._target = None
 
@@ -207,15 +128,13 @@ class GgmlBlockDrafter(Drafter):
     def check_target(self, target) -> None:
         """Refuse a target this drafter was not made for (vocabulary, width, layers, tokenizer,
         arch: converters/drafter.py check_pairing), then open the drafter context on it."""
-        from blockspec.converters.drafter import check_pairing, target_fingerprint
-
         check_pairing(self.header["meta"], target_fingerprint(target.path))
         self._bind(target)
 
     def _bind(self, target) -> None:
         if self._target is target and self._ctx is not None:
             return
-        from blockspec.runtime.llama.target import _last_llama_error
+        from blockspec.runtime.llama.target import last_llama_error
 
         ll = _raw()
         if self._ctx is not None:
@@ -237,7 +156,7 @@ class GgmlBlockDrafter(Drafter):
         self._ctx = ll.llama_init_from_model(self._model, cp)
         if not self._ctx:
             raise BlockspecError(f"llama.cpp could not create a drafter context for {self.path}: "
-                                 f"{_last_llama_error()}")
+                                 f"{last_llama_error()}")
         if not self.causal:
             ll.llama_set_causal_attn(self._ctx, False)
         self._batch = ll.llama_batch_ext_init(self._ctx)

@@ -23,9 +23,10 @@ from typing import Sequence
 
 import numpy as np
 
+from blockspec.models.checkpoint import load_checkpoint
 from blockspec.runtime.drafters.base import Drafter, common_prefix
-from blockspec.runtime.errors import BlockspecError
 from blockspec.runtime.drafters.tree import DraftTree
+from blockspec.runtime.errors import BlockspecError
 
 
 def _torch():
@@ -40,7 +41,7 @@ def _target_weights(gguf_path: str, mtime: float, need_head: bool):
     `need_head` (a drafter with its own reduced head) the head slot repeats the embeddings."""
     import torch
 
-    from blockspec.converters.drafter import read_gguf_tensors
+    from blockspec.runtime.format.drafter_gguf import read_gguf_tensors
 
     # not gguf.GGUFReader: its full metadata parse costs seconds for a large vocabulary
     by_name = read_gguf_tensors(gguf_path, ["token_embd.weight", "output.weight"] if need_head else
@@ -77,7 +78,7 @@ class TorchDrafter(Drafter):
     def check_target(self, target) -> None:
         a, where = self.args, f"drafter {self.path or self.name}"
         if self.meta.get("format") == "gguf":  # a GGUF drafter records its target's fingerprint
-            from blockspec.converters.drafter import check_pairing, target_fingerprint
+            from blockspec.runtime.format.drafter_gguf import check_pairing, target_fingerprint
 
             check_pairing(self.meta, target_fingerprint(target.path))
         if target.n_vocab != a.vocab_size:
@@ -207,37 +208,6 @@ class DBlastDrafter(TorchDrafter):
 
 
 DRAFTERS = {"specblock": SpecBlockDrafter, "dblast": DBlastDrafter}
-
-
-def load_checkpoint(path: str | os.PathLike):
-    """(model, meta) of a checkpoint dir from `blockspec train` or of a drafter GGUF file;
-    BlockspecError, one line, otherwise."""
-    d = Path(path)
-    if not d.exists():
-        raise BlockspecError(f"drafter checkpoint {d} does not exist")
-    if d.is_file():  # a drafter is a checkpoint dir or a GGUF file
-        from blockspec.converters.drafter import read_drafter_gguf
-
-        return read_drafter_gguf(d)
-    if not d.is_dir() or not (d / "drafter.json").is_file() or not (d / "drafter.safetensors").is_file():
-        raise BlockspecError(f"{d} is not a drafter checkpoint dir (drafter.json + drafter.safetensors "
-                             "from `blockspec train`)")
-    try:
-        meta = json.loads((d / "drafter.json").read_text())
-        margs = meta["model_args"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise BlockspecError(f"{d}/drafter.json is not a drafter checkpoint's metadata ({e})") from None
-    if margs.get("model_type") not in DRAFTERS:
-        raise BlockspecError(f"{d}: model_type {margs.get('model_type')!r} is not a drafter "
-                             f"(known: {', '.join(DRAFTERS)})")
-    from blockspec.models.train import load_drafter
-
-    try:
-        model, meta = load_drafter(d)
-    except (RuntimeError, ValueError, OSError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise BlockspecError(f"{d}: cannot load drafter weights: {first}") from None
-    return model, meta
 
 
 def make_torch_drafter(method: str, path: str | os.PathLike, block_size: int | None = None,

@@ -35,7 +35,7 @@ _LOG_LOCK = threading.Lock()
 _LOG_STATE = {"installed": False, "verbose": False, "errors": []}
 
 
-def _install_log_callback(verbose: bool) -> None:
+def install_log_callback(verbose: bool) -> None:
     """Route llama.cpp's log through us: silent unless verbose, but keep the last error
     lines so a failed load can say why in one line."""
     ll = _raw()
@@ -60,9 +60,21 @@ def _install_log_callback(verbose: bool) -> None:
         _LOG_STATE["installed"] = True
 
 
-def _last_llama_error() -> str:
+def last_llama_error() -> str:
     errs = [e for e in _LOG_STATE["errors"] if e]
     return errs[-1] if errs else "see --verbose output"
+
+
+def clear_llama_errors() -> None:
+    _LOG_STATE["errors"] = []
+
+
+def load_error() -> str:
+    """llama.cpp's reason for a failed model load (the line naming the bad key or tensor)."""
+    for e in _LOG_STATE["errors"]:
+        if "error loading model" in e:
+            return e.split("error loading model: ")[-1]
+    return last_llama_error()
 
 
 def system_info() -> str:
@@ -111,7 +123,7 @@ class Target:
         self.config = cfg = config or TargetConfig()
         self.path = check_gguf(model_path)
         ll = _raw()
-        _install_log_callback(cfg.verbose)
+        install_log_callback(cfg.verbose)
         self._model = None
         self._ctx = None
         self._batch = None
@@ -119,10 +131,10 @@ class Target:
         mp = ll.llama_model_default_params()
         mp.n_gpu_layers = cfg.n_gpu_layers
         mp.use_extra_bufts = safe_extra_bufts()
-        _LOG_STATE["errors"] = []
+        clear_llama_errors()
         self._model = ll.llama_model_load_from_file(str(self.path).encode(), mp)
         if not self._model:
-            raise BlockspecError(f"llama.cpp could not load {self.path}: {_last_llama_error()}")
+            raise BlockspecError(f"llama.cpp could not load {self.path}: {last_llama_error()}")
         self._vocab = ll.llama_model_get_vocab(self._model)
         self.n_vocab = ll.llama_vocab_n_tokens(self._vocab)
         self.n_embd = ll.llama_model_n_embd(self._model)
@@ -145,7 +157,7 @@ class Target:
         self._ctx = ll.llama_init_from_model(self._model, cp)
         if not self._ctx:
             self.close()
-            raise BlockspecError(f"llama.cpp could not create a context for {self.path}: {_last_llama_error()}")
+            raise BlockspecError(f"llama.cpp could not create a context for {self.path}: {last_llama_error()}")
         self.n_ctx = ll.llama_n_ctx(self._ctx)
         self._batch = ll.llama_batch_init(cfg.n_batch, 0, max(1, cfg.n_seq_max))
         self._taps: set[int] = set()

@@ -1,0 +1,87 @@
+"""A drafter from disk as a torch module: a `blockspec train` checkpoint dir or a blockspec drafter
+GGUF (the format: runtime/format/drafter_gguf.py). Used by the converters, the torch drafter
+backend and training's evaluation."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from blockspec.runtime.errors import BlockspecError
+from blockspec.runtime.format.drafter_gguf import ARCHS, gguf_to_torch_name, open_drafter_gguf, torch_to_gguf_name
+
+from . import build_model
+
+
+def read_drafter_gguf(path: str | os.PathLike):
+    """(torch drafter module, meta) from a drafter GGUF; meta as `read_drafter_meta`, with the
+    module's full model_args. BlockspecError, one line, for anything that is not one."""
+    import gguf
+    import torch
+
+    reader, meta = open_drafter_gguf(path)
+    margs, arch = meta["model_args"], meta["model_args"]["model_type"]
+    tensors = {t.name: t for t in reader.tensors}
+    try:
+        model = build_model(margs)
+    except (ValueError, RuntimeError, TypeError, ZeroDivisionError) as e:
+        raise BlockspecError(f"{path}: drafter metadata does not describe a valid {arch} drafter ({e})") from None
+    expected = model.export_state()
+    state = {}
+    for gname, t in tensors.items():
+        try:
+            tname = gguf_to_torch_name(gname, arch)
+        except KeyError:
+            raise BlockspecError(f"{path}: unexpected tensor {gname!r} in a {arch} drafter") from None
+        if tname not in expected:
+            raise BlockspecError(f"{path}: tensor {gname} does not fit its own metadata ({arch} drafter)")
+        shape = tuple(int(s) for s in reversed(t.shape))  # GGUF lists ne0 first
+        if tname == "vocab.d2t":
+            x = torch.from_numpy(np.array(t.data, dtype=np.int64).reshape(shape))
+        else:
+            x = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type),
+                                          dtype=np.float32).reshape(shape))
+        if tuple(x.shape) != tuple(expected[tname].shape):
+            raise BlockspecError(f"{path}: tensor {gname} has shape {list(x.shape)}, its metadata implies "
+                                 f"{list(expected[tname].shape)}")
+        state[tname] = x
+    missing = [torch_to_gguf_name(n, arch) for n in expected if n not in state]
+    if missing:
+        raise BlockspecError(f"{path}: drafter tensors missing: {', '.join(missing[:4])}")
+    model.load_state_dict(state)
+    meta["model_args"] = dataclasses.asdict(model.args)
+    return model.eval(), meta
+
+
+def load_checkpoint(path: str | os.PathLike):
+    """(model, meta) of a checkpoint dir from `blockspec train` or of a drafter GGUF file;
+    BlockspecError, one line, otherwise."""
+    d = Path(path)
+    if not d.exists():
+        raise BlockspecError(f"drafter checkpoint {d} does not exist")
+    if d.is_file():  # a drafter is a checkpoint dir or a GGUF file
+        return read_drafter_gguf(d)
+    if not d.is_dir() or not (d / "drafter.json").is_file() or not (d / "drafter.safetensors").is_file():
+        raise BlockspecError(f"{d} is not a drafter checkpoint dir (drafter.json + drafter.safetensors "
+                             "from `blockspec train`)")
+    try:
+        meta = json.loads((d / "drafter.json").read_text())
+        margs = meta["model_args"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise BlockspecError(f"{d}/drafter.json is not a drafter checkpoint's metadata ({e})") from None
+    if margs.get("model_type") not in ARCHS:
+        raise BlockspecError(f"{d}: model_type {margs.get('model_type')!r} is not a drafter "
+                             f"(known: {', '.join(ARCHS)})")
+    from safetensors.torch import load_file
+
+    try:
+        model = build_model(margs)
+        model.load_state_dict(load_file(str(d / "drafter.safetensors")))
+    except (RuntimeError, ValueError, OSError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise BlockspecError(f"{d}: cannot load drafter weights: {first}") from None
+    return model, meta
