@@ -109,7 +109,7 @@ def test_block_logits_match_torch(target, taps, drafter_file):  # noqa: F811
             d.observe(toks[a:b], a, rows(a, b))
         hist = toks[:b + 1]
         with torch.inference_mode():
-            anchors, last = td._anchor(hist)
+            anchors, last = td._block_inputs(hist)
             out = td.model(td._empty, anchors, last, td.cache)
         t = out.logits[0, 0].float().numpy()  # [Kz, 4, Vd]
         if Kz == 1:

@@ -198,7 +198,7 @@ def _run_both(gd, td, toks, feats, feeds=FEEDS):
         hist = toks[:b + 1]
         gl, gr = gd.block_outputs(hist)
         with torch.inference_mode():
-            anchors, last = td._anchor(hist)
+            anchors, last = td._block_inputs(hist)
             out = td.model(td._empty, anchors, last, td.cache)
         res.append((gl, out.logits[0, 0].float().numpy(), gr, out.rank_logits[0, 0].float().numpy(), hist))
     return res

@@ -50,3 +50,50 @@ class Drafter:
     def propose(self, history: Sequence[int]) -> DraftTree:
         """A tree rooted at history[-1] (the last emitted token, not yet in the cache)."""
         raise NotImplementedError
+
+
+class BlockDrafter(Drafter):
+    """The position bookkeeping every model drafter shares: the token at each row it holds
+    (`tokens`), the prefix it can reuse, trimming, the checks on observed rows, and the anchor of a
+    block. A backend only runs passes: `_context(x, start)` over new rows of conditioning features
+    x [n, n_layers * target_dim] at positions start.., and `_forget(n)` of its rows from n on."""
+
+    def __init__(self):
+        self.tokens: list[int] = []  # token at each held position (to catch an out-of-step engine)
+
+    def held_prefix(self, tokens: Sequence[int]) -> int:
+        return common_prefix(tokens, self.tokens)
+
+    def trim(self, n: int) -> None:
+        if n < len(self.tokens):
+            self._forget(n)
+            del self.tokens[n:]
+
+    def observe(self, tokens: Sequence[int], start: int, feats: dict[int, np.ndarray] | None) -> None:
+        if start > len(self.tokens):
+            raise RuntimeError(f"{self.name} drafter: rows from position {start} observed but it holds only "
+                               f"{len(self.tokens)} (the drafter must see every committed row)")
+        if feats is None or any(lid not in feats for lid in self.target_layers):
+            raise RuntimeError(f"{self.name} drafter needs taps of target layers {list(self.target_layers)}")
+        self.trim(start)
+        x = np.ascontiguousarray(np.concatenate(
+            [np.asarray(feats[lid], dtype=np.float32) for lid in self.target_layers], axis=-1))
+        if x.shape[0] != len(tokens):
+            raise RuntimeError(f"{self.name} drafter: {len(tokens)} tokens but {x.shape[0]} feature rows")
+        self._context(x, start)
+        self.tokens.extend(int(t) for t in tokens)
+
+    def _context(self, x: np.ndarray, start: int) -> None:
+        raise NotImplementedError
+
+    def _forget(self, n: int) -> None:
+        raise NotImplementedError
+
+    def _anchor(self, history: Sequence[int]) -> int:
+        """t = len(history) - 2, the last held position: the block rooted at history[-1] = x[t+1]
+        is anchored there."""
+        t = len(history) - 2
+        if len(self.tokens) != t + 1 or list(history[:t + 1]) != self.tokens:
+            raise RuntimeError(f"{self.name} drafter out of step: it holds {len(self.tokens)} rows, "
+                               f"the history has {t + 1} committed tokens")
+        return t

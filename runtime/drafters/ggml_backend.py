@@ -29,7 +29,7 @@ from typing import Sequence
 
 import numpy as np
 
-from blockspec.runtime.drafters.base import Drafter, common_prefix
+from blockspec.runtime.drafters.base import BlockDrafter
 from blockspec.runtime.errors import BlockspecError
 from blockspec.runtime.format.drafter_gguf import check_pairing, read_drafter_header, target_fingerprint
 from blockspec.runtime.drafters.tree import DraftTree
@@ -44,7 +44,7 @@ def _raw():
     return llama_cpp
 
 
-class GgmlBlockDrafter(Drafter):
+class GgmlBlockDrafter(BlockDrafter):
     """The context half shared by ggml block drafters: model, drafter context, feature rows.
 
     Subclasses say which file llama.cpp loads (`model_file`: the drafter GGUF itself, or a form
@@ -73,7 +73,7 @@ class GgmlBlockDrafter(Drafter):
         self._model = None
         self._model_path = None
         self._target = None
-        self.tokens: list[int] = []
+        super().__init__()
         self._feats = np.zeros((0, self.n_feat), dtype=np.float32)  # rows 0..len(tokens)-1 valid; grows by doubling
         self._load(self.model_file(None))
 
@@ -165,33 +165,20 @@ class GgmlBlockDrafter(Drafter):
         self.tokens = []
 
     # ------------------------------------------------------------------ context
-    def held_prefix(self, tokens) -> int:
-        return common_prefix(tokens, self.tokens)
-
-    def trim(self, n: int) -> None:
-        if n < len(self.tokens):
-            if self._ctx is not None:
-                ll = _raw()
-                ll.llama_memory_seq_rm(ll.llama_get_memory(self._ctx), MAIN_SEQ, n, -1)
-            del self.tokens[n:]
+    def _forget(self, n: int) -> None:
+        if self._ctx is not None:
+            ll = _raw()
+            ll.llama_memory_seq_rm(ll.llama_get_memory(self._ctx), MAIN_SEQ, n, -1)
 
     def observe(self, tokens: Sequence[int], start: int, feats: dict[int, np.ndarray] | None) -> None:
         if self._ctx is None:
             raise RuntimeError(f"{self.name} drafter: check_target(target) first (it needs the target's context)")
-        if start > len(self.tokens):
-            raise RuntimeError(f"{self.name} drafter: rows from position {start} observed but it holds only "
-                               f"{len(self.tokens)} (the drafter must see every committed row)")
-        if feats is None or any(lid not in feats for lid in self.target_layers):
-            raise RuntimeError(f"{self.name} drafter needs taps of target layers {list(self.target_layers)}")
-        self.trim(start)
-        x = np.ascontiguousarray(np.concatenate(
-            [np.asarray(feats[lid], dtype=np.float32) for lid in self.target_layers], axis=-1))
-        if x.shape[0] != len(tokens):
-            raise RuntimeError(f"{self.name} drafter: {len(tokens)} tokens but {x.shape[0]} feature rows")
-        for i in range(0, len(tokens), self._n_batch):
+        super().observe(tokens, start, feats)
+
+    def _context(self, x: np.ndarray, start: int) -> None:
+        for i in range(0, x.shape[0], self._n_batch):
             self._process_features(x[i:i + self._n_batch], start + i)
-        self.tokens.extend(int(t) for t in tokens)
-        n = len(self.tokens)
+        n = start + x.shape[0]
         if n > len(self._feats):  # amortised: a copy per doubling, not per step
             grown = np.empty((max(n, 2 * len(self._feats), 256), self.n_feat), dtype=np.float32)
             grown[:start] = self._feats[:start]
@@ -214,13 +201,6 @@ class GgmlBlockDrafter(Drafter):
         rc = ll.llama_process(self._ctx, ll.LLAMA_PROCESS_TYPE_DECODE, b)
         if rc != 0:
             raise RuntimeError(f"{self.name} drafter: feature batch at positions {p0}.. failed ({rc})")
-
-    def _anchor(self, history: Sequence[int]) -> int:
-        t = len(history) - 2
-        if len(self.tokens) != t + 1 or list(history[:t + 1]) != self.tokens:
-            raise RuntimeError(f"{self.name} drafter out of step: it holds {len(self.tokens)} rows, "
-                               f"the history has {t + 1} committed tokens")
-        return t
 
     def _block_pass(self, t: int, tokens: Sequence[int], read, emb=None):
         """One block batch anchored at t: `tokens` at positions t+1.., every row an output (each
@@ -405,20 +385,13 @@ class GgmlDFlashDrafter(GgmlBlockDrafter):
         return DraftTree.from_paths(root, paths.tolist())
 
 
-GGML_DRAFTERS = {"specblock": GgmlSpecBlockDrafter, "dblast": GgmlDFlashDrafter}
-
-
 def make_ggml_drafter(method: str, path: str | os.PathLike, block_size: int | None = None,
                       branches: int = 1, **ctx_opts) -> GgmlBlockDrafter:
     """The drafter for `--method specblock --drafter X.gguf --drafter-backend ggml`."""
-    h_arch = read_drafter_header(path)["arch"]
-    if h_arch != method:
-        raise BlockspecError(f"{path} is a {h_arch} drafter GGUF, not {method}")
-    kind = GGML_DRAFTERS.get(method)
-    if method == "specblock":
-        d = kind(path, block_size, tree=branches > 1, max_nodes=1, **ctx_opts)
-        if branches > 1:
-            d.max_nodes = d.block_size * branches
-            d.max_leaves = d.max_nodes
-        return d
-    return kind(path, block_size, branches=branches, **ctx_opts)
+    h = read_drafter_header(path)
+    if h["arch"] != method:
+        raise BlockspecError(f"{path} is a {h['arch']} drafter GGUF, not {method}")
+    if method == "specblock":  # branches > 1: a rank-head tree of up to block_size * branches nodes
+        bs = min(block_size or h["block_size"], h["block_size"])
+        return GgmlSpecBlockDrafter(path, block_size, tree=branches > 1, max_nodes=bs * branches, **ctx_opts)
+    return GgmlDFlashDrafter(path, block_size, branches=branches, **ctx_opts)

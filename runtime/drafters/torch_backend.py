@@ -24,7 +24,7 @@ from typing import Sequence
 import numpy as np
 
 from blockspec.models.checkpoint import load_checkpoint
-from blockspec.runtime.drafters.base import Drafter, common_prefix
+from blockspec.runtime.drafters.base import BlockDrafter
 from blockspec.runtime.drafters.tree import DraftTree
 from blockspec.runtime.errors import BlockspecError
 
@@ -53,7 +53,7 @@ def _target_weights(gguf_path: str, mtime: float, need_head: bool):
     return embed, head
 
 
-class TorchDrafter(Drafter):
+class TorchDrafter(BlockDrafter):
     """A loaded SpecBlock/DBlast checkpoint (subclasses draft; this class keeps the context)."""
 
     backend = "torch"
@@ -69,8 +69,8 @@ class TorchDrafter(Drafter):
         n_predict = int(self.args.n_predict)
         # --block-size caps the drafted tokens per block; the checkpoint fixes the most it can draft
         self.block_size = n_predict if block_size is None else max(1, min(int(block_size), n_predict))
+        super().__init__()
         self.cache = model.new_cache()
-        self.tokens: list[int] = []  # token at each cached position (to catch an out-of-step engine)
         self._bound: str | None = None
         self._empty = torch.zeros(1, 0, len(self.target_layers) * self.args.target_dim)
 
@@ -99,9 +99,6 @@ class TorchDrafter(Drafter):
                                  f"this target has {target.n_layer} layers")
         self._bind(target)
 
-    def held_prefix(self, tokens) -> int:
-        return common_prefix(tokens, self.tokens)
-
     def _bind(self, target) -> None:
         path = str(getattr(target, "path", ""))
         if self._bound == path:
@@ -114,35 +111,19 @@ class TorchDrafter(Drafter):
         self.trim(0)  # rows computed against another target mean nothing here
 
     # ------------------------------------------------------------------ context
-    def trim(self, n: int) -> None:
-        if n < len(self.tokens):
-            self.cache.crop(n)
-            del self.tokens[n:]
+    def _forget(self, n: int) -> None:
+        self.cache.crop(n)
 
-    def observe(self, tokens: Sequence[int], start: int, feats: dict[int, np.ndarray] | None) -> None:
+    def _context(self, x: np.ndarray, start: int) -> None:
         torch = _torch()
-        if start > len(self.tokens):
-            raise RuntimeError(f"{self.name} drafter: rows from position {start} observed but it holds only "
-                               f"{len(self.tokens)} (the drafter must see every committed row)")
-        if feats is None or any(lid not in feats for lid in self.target_layers):
-            raise RuntimeError(f"{self.name} drafter needs taps of target layers {list(self.target_layers)}")
-        self.trim(start)
-        x = np.concatenate([np.asarray(feats[lid], dtype=np.float32) for lid in self.target_layers], axis=-1)
-        if x.shape[0] != len(tokens):
-            raise RuntimeError(f"{self.name} drafter: {len(tokens)} tokens but {x.shape[0]} feature rows")
         with torch.inference_mode():
             # one pass over the new rows: their conditioning and every layer's context K/V
             self.model.context(self.model.condition(torch.from_numpy(x)[None]), self.cache)
-        self.tokens.extend(int(t) for t in tokens)
 
-    def _anchor(self, history: Sequence[int]):
+    def _block_inputs(self, history: Sequence[int]):
         """(anchors [1, 1], last token [1, 1]) of the block rooted at history[-1]."""
         torch = _torch()
-        t = len(history) - 2
-        if len(self.tokens) != t + 1 or list(history[:t + 1]) != self.tokens:
-            raise RuntimeError(f"{self.name} drafter out of step: it holds {len(self.tokens)} rows, "
-                               f"the history has {t + 1} committed tokens")
-        return torch.tensor([[t]]), torch.tensor([[int(history[-1])]])
+        return torch.tensor([[self._anchor(history)]]), torch.tensor([[int(history[-1])]])
 
     @classmethod
     def load(cls, path: str | os.PathLike, **options) -> "TorchDrafter":
@@ -168,7 +149,7 @@ class SpecBlockDrafter(TorchDrafter):
 
     def propose(self, history: Sequence[int]) -> DraftTree:
         torch = _torch()
-        anchors, last = self._anchor(history)
+        anchors, last = self._block_inputs(history)
         root, K = int(history[-1]), self.block_size
         with torch.inference_mode():
             out = self.model(self._empty, anchors, last, self.cache)  # cache unchanged: no new rows
@@ -199,7 +180,7 @@ class DBlastDrafter(TorchDrafter):
 
     def propose(self, history: Sequence[int]) -> DraftTree:
         torch = _torch()
-        anchors, last = self._anchor(history)
+        anchors, last = self._block_inputs(history)
         with torch.inference_mode():
             toks, _ = self.model.propose(self._empty, anchors, last, self.cache, n_branches=self.branches,
                                          z_temperature=self.z_temperature, generator=self.generator)

@@ -409,7 +409,7 @@ def open_drafter_gguf(path: str | os.PathLike):
 
 def read_drafter_header(path: str | os.PathLike) -> dict:
     """The drafter GGUF's hyperparameters (its model_args), `meta` for the pairing check
-    (converters/drafter.py read_drafter_meta), and `d2t` (absolute target ids, or None)."""
+    (`read_drafter_meta`), and `d2t` (absolute target ids, or None)."""
     import gguf
 
     p = Path(path)
