@@ -10,8 +10,10 @@ One process per prompt. The prompt is our chat-template rendering of the message
 special tokens parsed and BOS added when the vocab asks for it, which `peer_prompt` checks gives
 the same token sequence as our runtime. Settings mapped: `--temp` (0 = greedy), top-k/top-p/min-p/
 repeat penalty, `--seed`, `-t`/`-tb` (our thread count), `-c` (our n_ctx), `-fa on` (our target
-runs flash attention), `-b` = n_ctx (the tool refuses a prompt longer than one batch), and the
-environment, GGML_BATCH_INVARIANT included, so both sides use the same kernels.
+runs flash attention), `-b` = n_ctx (the tool refuses a prompt longer than one batch). The tool
+runs as users run it: on upstream's default kernels, our environment's GGML_BATCH_INVARIANT and
+BLOCKSPEC_* variables stripped (our engine keeps the batch-invariant kernels that make its
+verification bit-exact; the bench states each row's kernel mode).
 
 What is read from its output (`-lv 4` adds the per-drafter statistics line at trace level):
 - generated text: stdout after the echoed prompt (the tool prints "\\n\\n", every prompt token's
@@ -135,6 +137,11 @@ def parse_stats(stderr: str) -> tuple[int, float, int, list[int]]:
     return n_predict, secs, n_accept, hist
 
 
+def peer_env() -> dict:
+    """Our environment without the variables that switch our kernels (upstream runs its defaults)."""
+    return {k: v for k, v in os.environ.items() if k != "GGML_BATCH_INVARIANT" and not k.startswith("BLOCKSPEC_")}
+
+
 def run_peer(tool: Path, spec: PeerSpec, *, model: Path, prompt_text: str, echo: bytes, max_tokens: int,
              sampling, seed: int, threads: int, n_ctx: int, block_size: int, drafter: str | None,
              timeout: float) -> PeerResult:
@@ -151,7 +158,7 @@ def run_peer(tool: Path, spec: PeerSpec, *, model: Path, prompt_text: str, echo:
         cmd += ["-md", str(drafter)]
     t0 = time.perf_counter()
     try:
-        res = subprocess.run(cmd, capture_output=True, timeout=timeout, env=dict(os.environ))
+        res = subprocess.run(cmd, capture_output=True, timeout=timeout, env=peer_env())
     except subprocess.TimeoutExpired:
         raise BlockspecError(f"{TOOL} did not finish in {timeout:.0f} s") from None
     err = res.stderr.decode("utf-8", "replace")
