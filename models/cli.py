@@ -124,6 +124,9 @@ def features_cmd(target, out, layers, sources, n_seqs, max_len, shard_size, batc
 @click.option("--shard-size", default=64, show_default=True, help="sequences per shard")
 @click.option("--seed", default=0, show_default=True, help="sampling seed (per prompt: seed, prompt index)")
 @click.option("--threads", default=0, show_default=True, help="llama.cpp threads (0: all cores)")
+@click.option("--worker", default=0, show_default=True, help="answer the prompts with index %% workers == worker")
+@click.option("--workers", default=1, show_default=True,
+              help="processes sharing the run (one thread each beats one many-thread run on a shared CPU)")
 def data_cmd(target, sources, out, layers, **opts):
     """Self-distillation data: the target answers training prompts in llama.cpp; its layer taps
     and top-k log-probs of every token are cached (resumable, atomic shards)."""

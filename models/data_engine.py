@@ -9,8 +9,8 @@ so each attends over its own cells only). The layer-tap features of every token,
 answer, come from the same passes: exactly the rows the runtime feeds the drafter. A share of the
 answers (`sample_frac`) is sampled at T = 1 with the runtime's sampler defaults, the rest greedy.
 
-Cache layout (a `format: ragged` feature cache, read by data.CachedFeatures): shards
-`shard_00000.safetensors` ... holding sequences packed end to end
+Cache layout (a `format: ragged` feature cache, read by data.RaggedFeatures): shards
+`shard_00000.safetensors` ... (`shard_w1_00000...` for worker 1 of several) holding sequences packed end to end
   tokens [N] int32, feats [N, n*H] f16, greedy [N] int32, top_ids / top_logp [N, k]  (N tokens)
   lengths [S] int32, answer_start [S] int32, prompt_idx [S] int64, sampled [S] int8  (S sequences)
 `greedy` / `top_*` at position i: the target's argmax / top-k log-probs (T = 1) for token i + 1;
@@ -33,7 +33,6 @@ import numpy as np
 
 from blockspec.runtime.errors import BlockspecError
 
-SHARD_FMT = "shard_{:05d}.safetensors"
 TAP_ARCHS = ("llama", "qwen2", "qwen3")  # graphs that set the layer taps (qwen2: patch 0002)
 MIN_FREE_BYTES = 1 << 30  # stop cleanly when the disk has less than this left
 
@@ -49,6 +48,8 @@ class EngineConfig:
     shard_size: int = 64           # sequences per shard
     seed: int = 0
     threads: int = 0               # llama.cpp threads (0: all cores)
+    worker: int = 0                # this process answers the prompts with index % workers == worker:
+    workers: int = 1               # several one-thread workers beat one many-thread run on a shared CPU
 
 
 # ------------------------------------------------------------------------------------- prompts
@@ -140,8 +141,8 @@ def top_k_logp(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.n
 class ShardWriter:
     """Finished sequences -> atomic shards; knows which prompts are done (resume)."""
 
-    def __init__(self, out: Path, meta: dict, shard_size: int, progress):
-        self.out, self.shard_size, self.bar = out, shard_size, progress
+    def __init__(self, out: Path, meta: dict, shard_size: int, prefix: str = "shard_"):
+        self.out, self.shard_size, self.prefix = out, shard_size, prefix
         out.mkdir(parents=True, exist_ok=True)
         mp = out / "meta.json"
         if mp.exists():
@@ -166,8 +167,9 @@ class ShardWriter:
             self.done.update(int(i) for i in idx)
             self.n_tokens += int(lengths.sum())
             self.n_answer += int((lengths - starts).sum())
-        for p in out.glob("*.tmp"):
-            p.unlink()  # a shard cut short by a crash
+        for p in out.glob(f"{prefix}*.tmp"):
+            p.unlink()  # a shard of ours cut short by a crash (other workers' are theirs)
+        self.n_own = len(list(out.glob(f"{prefix}[0-9]*.safetensors")))
         self.pending: list[dict] = []
 
     def add(self, slot: Slot, k: int) -> None:
@@ -193,9 +195,8 @@ class ShardWriter:
         if shutil.disk_usage(self.out).free < need:
             raise BlockspecError(f"{self.out}: out of disk ({shutil.disk_usage(self.out).free >> 20} MiB free); "
                                  f"{len(self.shards)} shards kept, rerun to resume")
-        path = self.out / SHARD_FMT.format(len(self.shards))
-        while path.exists():
-            path = self.out / SHARD_FMT.format(int(path.stem.split("_")[1]) + 1)
+        while (path := self.out / f"{self.prefix}{self.n_own:05d}.safetensors").exists():
+            self.n_own += 1
         tmp = path.with_suffix(".tmp")
         save_file(data, str(tmp))
         os.replace(tmp, path)
@@ -241,10 +242,12 @@ def run_engine(target_path: str | os.PathLike, sources: Sequence[str], out_dir: 
     target.enable_taps(layers)
     meta = dict(format="ragged", target=str(target.path), target_sha=_file_sha(target.path), arch=target.arch,
                 layers=list(layers), dim=target.n_embd, n_layer=target.n_layer, vocab_size=target.n_vocab,
-                sources=list(sources), **{k: v for k, v in asdict(cfg).items() if k not in ("threads", "n_parallel")},
+                sources=list(sources), **{k: v for k, v in asdict(cfg).items() if k not in ("threads", "n_parallel", "worker", "workers")},
                 max_len=n_ctx_seq)
     meta.pop("n_prompts")
-    writer = ShardWriter(out, meta, cfg.shard_size, None)
+    if not 0 <= cfg.worker < cfg.workers:
+        raise BlockspecError(f"--worker {cfg.worker}: expected 0..{cfg.workers - 1} (--workers {cfg.workers})")
+    writer = ShardWriter(out, meta, cfg.shard_size, "shard_" if cfg.workers == 1 else f"shard_w{cfg.worker}_")
     banned = eval_prompts()
     sp = SamplingParams(temperature=1.0)  # the runtime's defaults at T = 1 (top-k 40, top-p .95, min-p .05)
     stats = dict(eval_prompts_known=len(banned), eval_dropped=0, too_long=0, unrenderable=0,
@@ -270,7 +273,8 @@ def run_engine(target_path: str | os.PathLike, sources: Sequence[str], out_dir: 
                 stats["too_long"] += 1
                 continue
             n += 1
-            yield idx, toks
+            if idx % cfg.workers == cfg.worker:
+                yield idx, toks
 
     import signal
     import threading

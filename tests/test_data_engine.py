@@ -131,3 +131,14 @@ def test_bad_prompts_file_names_the_line(smollm2_path, tmp_path):
                 str(tmp_path / "o"), "--n-prompts", "2", "--threads", "1")
     assert r.returncode != 0
     assert f"{bad}:2" in r.stderr.strip().splitlines()[-1]
+
+
+def test_workers_split_the_prompts(smollm2_path, tmp_path):
+    prompts, out = _prompts_file(tmp_path, 5), tmp_path / "data"
+    for w in (1, 0):
+        _run(smollm2_path, prompts, out, n_prompts=5, worker=w, workers=2, max_new=4)
+    names = sorted(p.name for p in out.glob("shard_*"))
+    assert names[0].startswith("shard_w0_") and names[-1].startswith("shard_w1_")
+    assert [int(s["prompt_idx"]) for s in _sequences(out)] == list(range(5))
+    # a single-process rerun over the same cache finds everything done
+    assert _run(smollm2_path, prompts, out, n_prompts=5, max_new=4)["done_before"] == 5
