@@ -301,11 +301,10 @@ def run_bench(prompts: str, *, methods: str | Sequence[str] = "plain,ngram",
 
     from blockspec.converters.upstream_dflash import cached_export
     from blockspec.runtime.bench import peers as bench_peers
-    from blockspec.runtime.engine.setup import make_drafter, shipped_drafter
+    from blockspec.runtime.engine.setup import make_drafter, open_target_for, shipped_drafter
     from blockspec.runtime.format.modelfile import resolve_model
     from blockspec.runtime.llama.prompt import chat_tokens, render_chat
     from blockspec.runtime.engine.sampling import SamplingParams
-    from blockspec.runtime.llama.target import open_target
 
     names = parse_methods(methods)
     temps = [float(t) for t in (temperatures.split(",") if isinstance(temperatures, str) else temperatures)]
@@ -347,8 +346,7 @@ def run_bench(prompts: str, *, methods: str | Sequence[str] = "plain,ngram",
     for n, why in errors.items():
         log(f"bench: {n}: {why} (skipped)")
 
-    n_seq_max = 1 + max([d.max_leaves for d in drafters.values()] or [0])
-    with open_target(model, n_ctx=n_ctx, n_seq_max=n_seq_max, n_threads=threads) as target:
+    with open_target_for(model, drafters.values(), n_ctx=n_ctx, n_threads=threads) as target:
         machine = machine_info(target.n_threads, target.path)
         toks = [chat_tokens(target, msgs) for msgs in messages]
         texts = [render_chat(target, msgs) for msgs in messages]

@@ -1,4 +1,5 @@
-"""Building what the engine runs: the drafter for a `--method` (one factory for every backend)."""
+"""Building what the engine runs: the drafter for a `--method` (one factory for every backend), and
+the target opened with the sequences that drafter needs (one place for every front end)."""
 
 from __future__ import annotations
 
@@ -113,3 +114,20 @@ def make_drafter(method: str, drafter_path: str | None = None, backend: str | No
 
 
 METHODS = ("plain", "ngram", "specblock", "dblast")
+
+
+def open_target_for(model_path, drafters, **config):
+    """The target opened for `drafters` (None for plain decoding): its context holds the main
+    sequence plus one per leaf of the widest draft tree. `config` goes to `open_target`."""
+    from blockspec.runtime.llama.target import open_target
+
+    n_seq_max = 1 + max([d.max_leaves for d in drafters if d is not None] or [0])
+    return open_target(model_path, n_seq_max=n_seq_max, **config)
+
+
+def open_speculative(model_path, method: str, drafter_path: str | None = None, backend: str | None = None,
+                     block_size: int | str = 4, branches: int = 1, **config):
+    """(target, drafter) for a `--method`: the drafter first (a bad drafter fails before the target
+    loads), then the target opened for it. `config` goes to `open_target`."""
+    drafter = make_drafter(method, drafter_path, backend, block_size=block_size, branches=branches)
+    return open_target_for(model_path, [drafter], **config), drafter

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from typing import Callable
 
-from blockspec.runtime.engine.setup import default_method, make_drafter
+from blockspec.runtime.engine.setup import default_method, open_speculative
 from blockspec.runtime.engine.generate import Generation, generate
 from blockspec.runtime.llama.prompt import prompt_tokens
 from blockspec.runtime.engine.sampling import SamplingParams
-from blockspec.runtime.llama.target import open_target
 
 
 def run_generate(prompt: str, *, model: str | None = None, method: str | None = None, drafter: str | None = None,
@@ -19,8 +18,8 @@ def run_generate(prompt: str, *, model: str | None = None, method: str | None = 
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                               repeat_penalty=repeat_penalty, seed=seed)
     method = method or default_method(model, drafter)
-    d = make_drafter(method, drafter, drafter_backend, block_size=block_size, branches=branches)
-    n_seq_max = 1 + (d.max_leaves if d is not None else 0)
-    with open_target(model, n_ctx=n_ctx, n_seq_max=n_seq_max, verbose=verbose) as target:
+    target, d = open_speculative(model, method, drafter, drafter_backend, block_size=block_size, branches=branches,
+                                 n_ctx=n_ctx, verbose=verbose)
+    with target:
         tokens = prompt_tokens(target, prompt, raw=raw, system=system)
         return generate(target, tokens, max_tokens=max_tokens, sampling=sampling, drafter=d, on_text=on_text)

@@ -23,12 +23,11 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from blockspec.runtime.engine.setup import default_method, make_drafter
+from blockspec.runtime.engine.setup import default_method, open_speculative
 from blockspec.runtime.errors import BlockspecError
 from blockspec.runtime.engine.generate import Stats, generate_stream
 from blockspec.runtime.llama.prompt import chat_tokens
 from blockspec.runtime.engine.sampling import SamplingParams
-from blockspec.runtime.llama.target import open_target
 
 
 class StopText:
@@ -90,11 +89,9 @@ class SpeculativeLlama:
                  n_threads: int | None = None, block_size: int = 4, branches: int = 1,
                  drafter_backend: str | None = None, n_batch: int = 512):
         self.method = method or default_method(model_path, drafter_path)
-        self.drafter = make_drafter(self.method, drafter_path, drafter_backend, block_size=block_size,
-                                    branches=branches)
-        n_seq_max = 1 + (self.drafter.max_leaves if self.drafter is not None else 0)
-        self.target = open_target(model_path, n_ctx=n_ctx, n_batch=n_batch, n_seq_max=n_seq_max,
-                                  n_threads=n_threads, n_gpu_layers=n_gpu_layers, verbose=verbose)
+        self.target, self.drafter = open_speculative(
+            model_path, self.method, drafter_path, drafter_backend, block_size=block_size, branches=branches,
+            n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads, n_gpu_layers=n_gpu_layers, verbose=verbose)
         self.model_path = str(self.target.path)
         self.n_ctx = self.target.n_ctx
         self.verbose = verbose
