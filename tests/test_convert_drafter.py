@@ -25,7 +25,8 @@ from blockspec.converters.drafter import CONVERTERS, convert_drafter  # noqa: E4
 from blockspec.models.checkpoint import read_drafter_gguf  # noqa: E402
 from blockspec.runtime.format.drafter_gguf import OUTTYPES, check_pairing, read_drafter_meta, target_fingerprint  # noqa: E402
 from blockspec.models import build_model  # noqa: E402
-from blockspec.models.target import ModelArgs as TargetArgs, write_tiny_gguf  # noqa: E402
+from blockspec.models.target import ModelArgs as TargetArgs  # noqa: E402
+from fixtures_target import write_tiny_gguf  # noqa: E402
 
 V, H, NL = 256, 64, 4  # tiny target: vocabulary, width, layers
 TINY = dict(dim=H, target_dim=H, n_head=4, n_kv_head=2, head_dim=16, ffn_dim=96, vocab_size=V, n_layer=2)

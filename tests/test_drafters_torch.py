@@ -243,7 +243,8 @@ def test_make_drafter_errors(tmp_path, ckpts, monkeypatch):
 def test_shipped_drafter_is_refused_by_another_target(tmp_path):
     """`--method specblock` without --drafter takes the drafter shipped for the bundled model; a
     different target refuses it at load in one line naming the mismatch."""
-    from blockspec.models.target import ModelArgs, write_tiny_gguf
+    from blockspec.models.target import ModelArgs
+    from fixtures_target import write_tiny_gguf
     from blockspec.runtime.engine.setup import shipped_drafter
     from blockspec.runtime.format.modelfile import bundled_model_path
 

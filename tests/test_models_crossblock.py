@@ -10,6 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from blockspec.models import build_model, data, losses, target as tgt  # noqa: E402
+from fixtures_target import write_tiny_gguf  # noqa: E402
 from blockspec.models.specblock import rank_bucket_labels  # noqa: E402
 from blockspec.models.train import (Batches, TrainConfig, block_view, check_config, compute_loss,  # noqa: E402
                                     cross_block_forward, loss_terms, make_model_args, train)
@@ -25,7 +26,7 @@ K = 4
 def tiny(tmp_path_factory):
     d = tmp_path_factory.mktemp("xb")
     path = d / "tiny-llama.gguf"
-    tgt.write_tiny_gguf(path, tgt.ModelArgs(arch="llama", **TINY), seed=5)
+    write_tiny_gguf(path, tgt.ModelArgs(arch="llama", **TINY), seed=5)
     target = tgt.load_target(path)
     rng = np.random.default_rng(0)
     phrases = [list(rng.integers(3, 97, size=8)) for _ in range(4)]

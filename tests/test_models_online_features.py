@@ -9,6 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from blockspec.models import data, target as tgt  # noqa: E402
+from fixtures_target import write_tiny_gguf  # noqa: E402
 from blockspec.models.train import Batches, TrainConfig, train  # noqa: E402
 from blockspec.runtime.errors import BlockspecError  # noqa: E402
 
@@ -20,7 +21,7 @@ TINY = dict(dim=48, n_layer=4, n_head=4, n_kv_head=2, head_dim=12, ffn_dim=64, v
 def tiny(tmp_path_factory):
     d = tmp_path_factory.mktemp("online")
     path = d / "tiny-llama.gguf"
-    tgt.write_tiny_gguf(path, tgt.ModelArgs(arch="llama", **TINY), seed=5)
+    write_tiny_gguf(path, tgt.ModelArgs(arch="llama", **TINY), seed=5)
     target = tgt.load_target(path)
     rng = np.random.default_rng(0)
     # uneven lengths, so chunks and batches pad differently in the two paths

@@ -9,6 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from blockspec.models import target as tgt  # noqa: E402
+from fixtures_target import write_tiny_gguf  # noqa: E402
 from blockspec.models.parity import (PARITY_MIN_TOKENS, format_figures, parity_figures, real_text_tokens,  # noqa: E402
                                      runtime_reference)
 
@@ -20,7 +21,7 @@ TINY = dict(dim=64, n_layer=3, n_head=4, n_kv_head=2, head_dim=16, ffn_dim=96, v
 def test_tiny_gguf_round_trip(tmp_path, arch):
     args = tgt.ModelArgs(arch=arch, tied_embeddings=(arch != "qwen3"), **TINY)
     path = tmp_path / f"tiny-{arch}.gguf"
-    state = tgt.write_tiny_gguf(path, args, seed=3)
+    state = write_tiny_gguf(path, args, seed=3)
     if arch == "qwen3":
         assert any(k.endswith("attn.q_norm.weight") for k in state)
     if arch == "qwen2":
@@ -164,7 +165,7 @@ def test_tiny_q4_1_exact_parity_with_runtime(tmp_path):
     args = tgt.ModelArgs(arch="llama", dim=128, n_layer=3, n_head=4, n_kv_head=2, head_dim=32, ffn_dim=256,
                          vocab_size=49152, rope_base=10000.0, norm_eps=1e-5)
     path = tmp_path / "tiny-q4_1.gguf"
-    tgt.write_tiny_gguf(path, args, seed=5, tokenizer_from=tok_src, quant="Q4_1")
+    write_tiny_gguf(path, args, seed=5, tokenizer_from=tok_src, quant="Q4_1")
     tokens = [int(t) for t in torch.randint(0, 49152, (90,), generator=torch.Generator().manual_seed(1))]
     ref_logits, ref_taps = runtime_reference(path, tokens, layers=[0, 1, 2])
     f = parity_figures(tgt.load_target(path, exact=True), tokens, ref_logits, ref_taps)

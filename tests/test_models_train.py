@@ -9,6 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from blockspec.models import data, target as tgt  # noqa: E402
+from fixtures_target import write_tiny_gguf  # noqa: E402
 from blockspec.models.train import TrainConfig, accepted_lengths, load_drafter, train  # noqa: E402
 
 TINY = dict(dim=48, n_layer=4, n_head=4, n_kv_head=2, head_dim=12, ffn_dim=64, vocab_size=97,
@@ -19,7 +20,7 @@ TINY = dict(dim=48, n_layer=4, n_head=4, n_kv_head=2, head_dim=12, ffn_dim=64, v
 def tiny(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny")
     path = d / "tiny-llama.gguf"
-    tgt.write_tiny_gguf(path, tgt.ModelArgs(arch="llama", **TINY), seed=5)
+    write_tiny_gguf(path, tgt.ModelArgs(arch="llama", **TINY), seed=5)
     target = tgt.load_target(path)
     rng = np.random.default_rng(0)
     # a few repeated phrases so that the target's greedy continuations are learnable

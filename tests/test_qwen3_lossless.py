@@ -36,6 +36,7 @@ TEXTS = ["The quick brown fox jumps over the lazy dog.", "Once upon a time, in a
 def write_qwen3_gguf(path, tokenizer_gguf, seed: int = 0, std: float = 1.0, head_std: float = 0.4) -> None:
     """A random Qwen3 GGUF (F32) whose tokenizer metadata is copied from `tokenizer_gguf`."""
     from blockspec.models import target as tgt
+    from fixtures_target import write_tiny_gguf
 
     args = tgt.ModelArgs(**TINY)
     torch.manual_seed(seed)
@@ -52,7 +53,7 @@ def write_qwen3_gguf(path, tokenizer_gguf, seed: int = 0, std: float = 1.0, head
                 p.normal_(0.0, head_std)
             else:
                 p.normal_(0.0, std / p.shape[-1] ** 0.5)
-    tgt.write_tiny_gguf(path, args, state=model.state_dict(), tokenizer_from=tokenizer_gguf)
+    write_tiny_gguf(path, args, state=model.state_dict(), tokenizer_from=tokenizer_gguf)
 
 
 @pytest.fixture(scope="module")
