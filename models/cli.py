@@ -5,7 +5,8 @@
     blockspec train specblock --target T.gguf --features on-the-fly --out DIR [--n-seqs N ...]
     blockspec train dblast    --target T.gguf --data CACHE --out DIR [--n-categories 4 --loss al ...]
 
-Every TrainConfig field is an option (`--batch-size`, `--no-target-features`, ...); torch is only
+Every TrainConfig field that a method uses is an option of its command (`--batch-size`,
+`--no-target-features`, ...; the fields' metadata hold the help and the methods); torch is only
 imported inside the commands so `--help` stays instant.
 """
 
@@ -22,28 +23,32 @@ _HIDDEN = {"method", "target", "out", "data"}
 _CHOICES = {"features": ("cache", "on-the-fly")}
 
 
-def _config_options(fn):
-    """Add one click option per TrainConfig field (booleans as --x/--no-x flags)."""
-    for f in reversed(dataclasses.fields(TrainConfig)):
-        if f.name in _HIDDEN:
-            continue
-        name = f.name.replace("_", "-")
-        default = f.default if f.default is not dataclasses.MISSING else None
-        if f.type in ("bool", bool):
-            if f.name.startswith("no_"):
-                fn = click.option(f"--{name}", f.name, is_flag=True, default=default)(fn)
+def _config_options(method: str):
+    """One click option per TrainConfig field that `method` uses (booleans as --x/--no-x flags),
+    with the field's help (TrainConfig's metadata says which methods use it)."""
+    def add(fn):
+        for f in reversed(dataclasses.fields(TrainConfig)):
+            if f.name in _HIDDEN or method not in f.metadata["methods"]:
+                continue
+            name = f.name.replace("_", "-")
+            default = f.default if f.default is not dataclasses.MISSING else None
+            hlp = f.metadata["help"]
+            if f.type in ("bool", bool):
+                if f.name.startswith("no_"):
+                    fn = click.option(f"--{name}", f.name, is_flag=True, default=default, help=hlp)(fn)
+                else:
+                    fn = click.option(f"--{name}/--no-{name}", f.name, default=default, show_default=True,
+                                      help=hlp)(fn)
+            elif f.name in _CHOICES:
+                fn = click.option(f"--{name}", f.name, type=click.Choice(_CHOICES[f.name]), default=default,
+                                  show_default=True, help=hlp)(fn)
+            elif f.type in ("list", list):
+                fn = click.option(f"--{name}", f.name, default="", show_default=True, help=hlp)(fn)
             else:
-                fn = click.option(f"--{name}/--no-{name}", f.name, default=default, show_default=True)(fn)
-        elif f.name in _CHOICES:
-            fn = click.option(f"--{name}", f.name, type=click.Choice(_CHOICES[f.name]), default=default,
-                              show_default=True)(fn)
-        elif f.type in ("list", list):
-            fn = click.option(f"--{name}", f.name, default="", show_default=True,
-                              help="comma-separated ints; empty = method default")(fn)
-        else:
-            typ = {"int": int, "float": float, "str": str}.get(f.type if isinstance(f.type, str) else f.type.__name__, str)
-            fn = click.option(f"--{name}", f.name, type=typ, default=default, show_default=True)(fn)
-    return fn
+                typ = {"int": int, "float": float}.get(f.type, str)  # f.type: the annotation's string
+                fn = click.option(f"--{name}", f.name, type=typ, default=default, show_default=True, help=hlp)(fn)
+        return fn
+    return add
 
 
 def _run(method: str, target: str, out: str, data: str, opts: dict) -> None:
@@ -61,38 +66,41 @@ def train():
     """Train block drafters (torch reference) for a GGUF target."""
 
 
-def _common(fn):
-    fn = click.option("--data", default="", type=click.Path(),
-                      help="feature cache dir (`train features`); not used with --features on-the-fly")(fn)
-    fn = click.option("--out", required=True, type=click.Path(), help="checkpoint dir (resumed if present)")(fn)
-    fn = click.option("--target", required=True, type=click.Path(exists=True), help="target GGUF")(fn)
-    return _config_options(fn)
+def _common(method: str):
+    """The options of `blockspec train <method>`: target, out, data, then the method's TrainConfig fields."""
+    def add(fn):
+        fn = click.option("--data", default="", type=click.Path(),
+                          help="feature cache dir (`train features`); not used with --features on-the-fly")(fn)
+        fn = click.option("--out", required=True, type=click.Path(), help="checkpoint dir (resumed if present)")(fn)
+        fn = click.option("--target", required=True, type=click.Path(exists=True), help="target GGUF")(fn)
+        return _config_options(method)(fn)
+    return add
 
 
 @train.command("specblock")
-@_common
+@_common("specblock")
 def specblock_cmd(target, out, data, **opts):
     """SpecBlock: prefix broadcast + position queries + layer-wise shift + rank head."""
     _run("specblock", target, out, data, opts)
 
 
 @train.command("dblast")
-@_common
+@_common("dblast")
 def dblast_cmd(target, out, data, **opts):
     """DBlast: DFlash-style drafter with a categorical latent (--n-categories; 1 = DFlash)."""
     _run("dblast", target, out, data, opts)
 
 
 @train.command("features")
-@click.option("--target", required=True, type=click.Path(exists=True))
+@click.option("--target", required=True, type=click.Path(exists=True), help="target GGUF")
 @click.option("--out", required=True, type=click.Path(), help="cache dir (resumable)")
 @click.option("--layers", default="", help="comma-separated layer-input ids; default: 5 spread layers")
-@click.option("--sources", default="sharegpt,chitchat", show_default=True)
-@click.option("--n-seqs", default=2048, show_default=True)
-@click.option("--max-len", default=384, show_default=True)
-@click.option("--shard-size", default=64, show_default=True)
-@click.option("--batch-size", default=4, show_default=True)
-@click.option("--threads", default=0, show_default=True)
+@click.option("--sources", default="sharegpt,chitchat", show_default=True, help="comma-separated text sources")
+@click.option("--n-seqs", default=2048, show_default=True, help="sequences to cache")
+@click.option("--max-len", default=384, show_default=True, help="tokens per sequence window")
+@click.option("--shard-size", default=64, show_default=True, help="sequences per shard")
+@click.option("--batch-size", default=4, show_default=True, help="sequences per torch target pass")
+@click.option("--threads", default=0, show_default=True, help="torch threads (0: torch's default)")
 def features_cmd(target, out, layers, sources, n_seqs, max_len, shard_size, batch_size, threads):
     """Compute target features once and cache them as sharded safetensors."""
     from .common import default_layers
@@ -124,7 +132,7 @@ def features_cmd(target, out, layers, sources, n_seqs, max_len, shard_size, batc
 @click.option("--shard-size", default=64, show_default=True, help="sequences per shard")
 @click.option("--seed", default=0, show_default=True, help="sampling seed (per prompt: seed, prompt index)")
 @click.option("--threads", default=0, show_default=True, help="llama.cpp threads (0: all cores)")
-@click.option("--worker", default=0, show_default=True, help="answer the prompts with index %% workers == worker")
+@click.option("--worker", default=0, show_default=True, help="answer the prompts with index % workers == worker")
 @click.option("--workers", default=1, show_default=True,
               help="processes sharing the run (one thread each beats one many-thread run on a shared CPU)")
 def data_cmd(target, sources, out, layers, **opts):

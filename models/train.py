@@ -39,52 +39,65 @@ from pathlib import Path
 import numpy as np
 
 
+def _opt(default, help: str, methods: tuple[str, ...] = ("specblock", "dblast")):
+    """A TrainConfig field with its CLI help and the methods whose `blockspec train` command
+    offers it (models/cli.py builds the options from this metadata)."""
+    meta = dict(help=help, methods=methods)
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+SPECBLOCK = ("specblock",)
+DBLAST = ("dblast",)
+
+
 @dataclass
 class TrainConfig:
-    method: str = "specblock"            # specblock | dblast
-    target: str = ""                     # GGUF of the target
-    out: str = ""                        # checkpoint directory
-    data: str = ""                       # feature cache directory (features = cache)
-    features: str = "cache"              # cache | on-the-fly (torch target per batch, no cache)
-    sources: str = "sharegpt,chitchat"   # on-the-fly: text sources
-    n_seqs: int = 2048                   # on-the-fly: sequences (the cache builder's default)
-    max_len: int = 384                   # on-the-fly: tokens per sequence window
-    n_layer: int = 2
-    ffn_dim: int = 0                     # drafter FFN width (0: the target's)
-    block_size: int = 0                  # 0: the method's default (specblock K=4, dblast B=5)
-    draft_vocab_size: int = 8192         # 0: share the target's head
-    target_layers: list = field(default_factory=list)  # empty: the method's default
-    n_categories: int = 1                # dblast Kz
-    qk_norm: bool = False                # dblast: per-head q/k RMSNorm (DFlash's, upstream-dflash exact)
-    loss: str = "nll"                    # nll | al (acceptance-length surrogate)
-    nll_weight: float = 0.1              # NLL kept beside the AL surrogate (stabilises the start)
-    tau: float = 1e-3                    # AL truncation threshold
-    temperature: float = 1.0             # target temperature p_T for AL / distillation
-    decay_gamma: float = 0.0             # DFlash position decay (0: off)
-    prefix_mask: bool = True
-    rank_weight: float = 0.1
-    distill_weight: float = 0.0
-    cross_block_weight: float = 0.0      # SpecBlock cross-block term (0: off, the plain recipe)
-    cross_block_shift: int = 0           # block 2 anchor offset m in 1..K (0: K, chained blocks)
-    no_target_features: bool = False     # baseline: zero the target features
-    feature_scale: bool = True           # scale each feature dim by 1/RMS on training rows (folded into fc)
-    steps: int = 1000
-    batch_size: int = 8
-    anchors_per_seq: int = 16
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    warmup: int = 50
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    eval_every: int = 200
-    eval_batches: int = 8
-    heldout_frac: float = 0.1
-    save_every: int = 200
-    log_every: int = 20
-    seed: int = 0
-    threads: int = 0
-    resume: bool = True
-
+    method: str = _opt("specblock", "specblock | dblast (the command's name)")
+    target: str = _opt("", "GGUF of the target")
+    out: str = _opt("", "checkpoint directory")
+    data: str = _opt("", "feature cache directory (features = cache)")
+    features: str = _opt("cache", "cache: read --data; on-the-fly: torch target per batch, no cache")
+    sources: str = _opt("sharegpt,chitchat", "on-the-fly: comma-separated text sources")
+    n_seqs: int = _opt(2048, "on-the-fly: training sequences (the cache builder's default)")
+    max_len: int = _opt(384, "on-the-fly: tokens per sequence window")
+    n_layer: int = _opt(2, "drafter layers")
+    ffn_dim: int = _opt(0, "drafter FFN width (0: the target's)")
+    block_size: int = _opt(0, "tokens per block (0: the method's default, specblock K=4, dblast B=5)")
+    draft_vocab_size: int = _opt(8192, "draft vocabulary size (0: share the target's head)")
+    target_layers: list = _opt([], "comma-separated target layer-input ids the drafter reads "
+                                   "(empty: the method's default)")
+    n_categories: int = _opt(1, "categories Kz of the latent (1: plain DFlash)", DBLAST)
+    qk_norm: bool = _opt(False, "per-head q/k RMSNorm (DFlash's; exports to upstream dflash exactly)", DBLAST)
+    loss: str = _opt("nll", "nll | al (acceptance-length surrogate)", DBLAST)
+    nll_weight: float = _opt(0.1, "--loss al: NLL kept beside the AL surrogate (stabilises the start)", DBLAST)
+    tau: float = _opt(1e-3, "--loss al: truncation threshold of the surrogate", DBLAST)
+    temperature: float = _opt(1.0, "target temperature of p_T (SpecBlock distillation, DBlast --loss al)")
+    decay_gamma: float = _opt(0.0, "DFlash's position decay of the block CE (0: off)", SPECBLOCK)
+    prefix_mask: bool = _opt(True, "no loss on positions after the first wrong greedy draft", SPECBLOCK)
+    rank_weight: float = _opt(0.1, "weight of the rank head's loss", SPECBLOCK)
+    distill_weight: float = _opt(0.0, "weight of the KL to the target's top-k distribution (0: off)", SPECBLOCK)
+    cross_block_weight: float = _opt(0.0, "weight of the cross-block term (0: off, the plain recipe)", SPECBLOCK)
+    cross_block_shift: int = _opt(0, "block 2's anchor offset m in 1..K (0: K, chained blocks)", SPECBLOCK)
+    no_target_features: bool = _opt(False, "baseline: zero the target features")
+    feature_scale: bool = _opt(True, "scale each feature dim by 1/RMS on training rows (folded into fc)")
+    steps: int = _opt(1000, "optimizer steps in all (a resumed run continues to this)")
+    batch_size: int = _opt(8, "sequences per batch")
+    anchors_per_seq: int = _opt(16, "blocks drawn per sequence per batch")
+    lr: float = _opt(1e-3, "peak learning rate (after warmup, cosine decay to --min-lr)")
+    min_lr: float = _opt(1e-4, "learning rate at the last step")
+    warmup: int = _opt(50, "linear warmup steps")
+    weight_decay: float = _opt(0.0, "AdamW weight decay")
+    grad_clip: float = _opt(1.0, "gradient norm clip (0: off)")
+    eval_every: int = _opt(200, "steps between held-out estimates")
+    eval_batches: int = _opt(8, "held-out batches per estimate")
+    heldout_frac: float = _opt(0.1, "share of the data held out for the estimate")
+    save_every: int = _opt(200, "steps between checkpoints")
+    log_every: int = _opt(20, "steps between log lines")
+    seed: int = _opt(0, "seed of the split, the batches and the init")
+    threads: int = _opt(0, "torch threads (0: torch's default)")
+    resume: bool = _opt(True, "continue from the checkpoint in --out if there is one")
 
 FEATURE_SOURCES = ("cache", "on-the-fly")
 DEFAULT_BLOCK = {"specblock": 4, "dblast": 5}  # K / B when --block-size is 0

@@ -101,3 +101,12 @@ def test_cli_help_and_options():
     assert r.exit_code == 0 and "--no-target-features" in r.output and "--anchors-per-seq" in r.output
     r = CliRunner().invoke(group, ["--help"])
     assert "dblast" in r.output and "features" in r.output
+    # each method lists its own options (plus the common ones), every option with a help line
+    spec, dbl = group.commands["specblock"], group.commands["dblast"]
+    spec_opts = {o for p in spec.params for o in p.opts}
+    dbl_opts = {o for p in dbl.params for o in p.opts}
+    assert "--cross-block-weight" in spec_opts and "--cross-block-weight" not in dbl_opts
+    assert "--n-categories" in dbl_opts and "--n-categories" not in spec_opts
+    assert "--batch-size" in spec_opts & dbl_opts
+    for cmd in group.commands.values():
+        assert all(p.help for p in cmd.params), [p.name for p in cmd.params if not p.help]

@@ -501,7 +501,7 @@ def format_table(result: dict) -> str:
 @click.option("--methods", default="plain,ngram", show_default=True,
               help="comma-separated, run in this order after plain: " + ", ".join(METHODS))
 @click.option("--temperatures", default="0", show_default=True, help="comma-separated, e.g. 0,1 (0 = greedy)")
-@click.option("--max-tokens", type=int, default=128, show_default=True)
+@click.option("--max-tokens", type=int, default=128, show_default=True, help="new tokens per prompt at most")
 @click.option("--n-prompts", type=int, default=10, show_default=True, help="first N prompts of each set")
 @click.option("--json", "json_path", default=None, help="write the results here")
 @click.option("--plot", "plot_path", default=None, help="write a PNG of tau and speedup here")
@@ -509,7 +509,7 @@ def format_table(result: dict) -> str:
 @click.option("--drafter", multiple=True, help="METHOD=PATH, repeatable (e.g. llama.cpp-draft=qwen2.5-coder-0.5b)")
 @click.option("--seed", type=int, default=0, show_default=True, help="sampling seed of prompt i is SEED + i")
 @click.option("--block-size", type=int, default=4, show_default=True, help="drafted tokens per block (ours and peers)")
-@click.option("--n-ctx", type=int, default=4096, show_default=True)
+@click.option("--n-ctx", type=int, default=4096, show_default=True, help="target context length (tokens)")
 @click.option("--threads", type=int, default=None, help="[default: BLOCKSPEC_THREADS or all cores]")
 @click.option("--no-progress", is_flag=True, help="no progress bar")
 def bench(prompts, methods, temperatures, max_tokens, n_prompts, json_path, plot_path, model, drafter, seed,

@@ -42,16 +42,20 @@ def cli():
 @click.option("--block-size", default="4", show_default=True,
               help="drafted tokens per block, or auto: each step's depth from measured costs")
 @click.option("--branches", type=int, default=1, show_default=True, help="tree branches (ngram: matches merged)")
-@click.option("--max-tokens", type=int, default=256, show_default=True)
+@click.option("--max-tokens", type=int, default=256, show_default=True, help="new tokens at most")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy")
-@click.option("--top-k", type=int, default=40, show_default=True)
-@click.option("--top-p", type=float, default=0.95, show_default=True)
-@click.option("--min-p", type=float, default=0.05, show_default=True)
-@click.option("--repeat-penalty", type=float, default=1.0, show_default=True)
+@click.option("--top-k", type=int, default=40, show_default=True,
+              help="sample among the k likeliest tokens (0: all)")
+@click.option("--top-p", type=float, default=0.95, show_default=True,
+              help="nucleus: smallest set of tokens with this mass")
+@click.option("--min-p", type=float, default=0.05, show_default=True,
+              help="drop tokens below min-p x the top probability")
+@click.option("--repeat-penalty", type=float, default=1.0, show_default=True,
+              help="repetition penalty over the last 64 tokens (1: off)")
 @click.option("--seed", type=int, default=None, help="sampling seed [default: random]")
 @click.option("--raw", is_flag=True, help="do not apply the GGUF chat template")
 @click.option("--system", default=None, help="system message (chat template only)")
-@click.option("--n-ctx", type=int, default=4096, show_default=True)
+@click.option("--n-ctx", type=int, default=4096, show_default=True, help="target context length (tokens)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of streaming text")
 @click.option("--verbose", is_flag=True, help="show llama.cpp's log")
 @click.option("--compare-plain", is_flag=True, help="then decode the same prompt plainly and print the speedup "

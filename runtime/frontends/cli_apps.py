@@ -10,7 +10,7 @@ _METHOD_HELP = "drafter method: plain, ngram, ... [default: the --drafter's meth
 
 def _model_options(f):
     f = click.option("--verbose", is_flag=True, help="show llama.cpp's log")(f)
-    f = click.option("--n-ctx", type=int, default=4096, show_default=True)(f)
+    f = click.option("--n-ctx", type=int, default=4096, show_default=True, help="target context length (tokens)")(f)
     f = click.option("--block-size", default="4", show_default=True,
               help="drafted tokens per block, or auto: each step's depth from measured costs")(f)
     f = click.option("--drafter-backend", type=click.Choice(["torch", "ggml"]), default=None,
@@ -43,7 +43,7 @@ def chat(model, drafter, method, drafter_backend, block_size, n_ctx, verbose, te
 @click.command()
 @_model_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on")
-@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--port", type=int, default=8000, show_default=True, help="TCP port to listen on")
 @click.option("--model-alias", default=None, help="model id reported by /v1/models [default: the GGUF file name]")
 def serve(model, drafter, method, drafter_backend, block_size, n_ctx, verbose, host, port, model_alias):
     """OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions (SSE streaming
