@@ -67,11 +67,11 @@ cuda-check:
 TRAIN_DIR ?= $(HOME)/blockspec-train
 TRAIN = $(VENV)/bin/blockspec train
 SMOLLM2 = $$($(PY) -c "from blockspec.runtime.format.modelfile import bundled_model_path as b; print(b())")
-DATA_PROMPTS ?= 8000
+DATA_PROMPTS ?= 4500
 DATA_DIR = $(TRAIN_DIR)/data-smollm2
 TRAIN_COMMON = --target $(SMOLLM2) --data $(DATA_DIR) --batch-size 8 --anchors-per-seq 16 \
 	--lr 2e-3 --warmup 30 --eval-batches 16 --threads 1
-SPECBLOCK_RECIPE = specblock $(TRAIN_COMMON) --steps 1800 --eval-every 300 --save-every 100 --log-every 50 \
+SPECBLOCK_RECIPE = specblock $(TRAIN_COMMON) --steps 3000 --eval-every 500 --save-every 100 --log-every 50 \
 	--ffn-dim 768 --draft-vocab-size 4096 --distill-weight 0.5
 DBLAST_RECIPE = dblast $(TRAIN_COMMON) --steps 600 --eval-every 100 --save-every 50 --log-every 20 --loss al
 DRAFTERS_DIR = models/drafters
