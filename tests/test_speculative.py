@@ -139,6 +139,18 @@ def test_trees_are_cut_to_the_exact_batch_limit(target, monkeypatch):
     assert len(spec.stats.accept_hist) <= 2
 
 
+def test_a_tree_at_the_end_of_the_context_keeps_the_nodes_that_fit(smollm2_path):
+    # a repetitive text drafts full n-gram trees right up to the last free KV cell
+    with Target(smollm2_path, TargetConfig(n_ctx=256, n_seq_max=8)) as t:
+        prompt = t.tokenize("a b c d e f g h i j k l m n o p q r s t u v w x y z a b c d e f g h i j")
+        plain = generate(t, prompt, max_tokens=500, sampling=GREEDY)
+        spec = generate(t, prompt, max_tokens=500, sampling=GREEDY, drafter=NgramDrafter(block_size=6, branches=3))
+        n_ctx = t.n_ctx
+    assert len(prompt) + len(plain.tokens) == n_ctx and plain.finish_reason == "length"
+    assert spec.tokens == plain.tokens and spec.finish_reason == "length"
+    assert sum(spec.stats.accept_hist[1:]) > 0
+
+
 def test_greedy_lossless_on_qwen_k_quants():
     """Q4_K_M weights: ggml's CPU kernels round a batch of 4+ rows differently from a single
     row, so the probe caps verify batches and the output still equals plain decoding."""

@@ -78,9 +78,9 @@ def speculative_steps(s) -> Iterator[list[int]]:
         s.stats.draft_s += t1 - t0
         # a batch larger than the target's exact limit would round differently from plain
         # decoding (Target.exact_batch_limit); keep the tree's first nodes instead
-        tree = tree.prefix(min(len(tree), t.exact_batch_limit, t.config.n_batch))
-        if n_past + max(tree.depths()) >= t.n_ctx:
-            tree = DraftTree([s.tokens[-1]], [-1])  # no room: a plain step
+        # every node takes a KV cell: near the end of the context keep the nodes that fit (at
+        # least the root, which generate_stream's budget guarantees a cell)
+        tree = tree.prefix(min(len(tree), t.exact_batch_limit, t.config.n_batch, t.n_ctx - n_past))
         n_leaves = len(tree.leaves())
         committed = False
         try:
