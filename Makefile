@@ -86,8 +86,9 @@ train-data: setup
 	for p in $$pids; do wait $$p || exit 1; done
 train-specblock: train-data
 	$(TRAIN) $(SPECBLOCK_RECIPE) --out $(TRAIN_DIR)/specblock-sd > $(TRAIN_DIR)/specblock-sd.log 2>&1
-train-dblast: train-data
+train-dblast: train-data  # 600 steps, then resumed to 1200 (a warm restart of the cosine schedule, as run)
 	$(TRAIN) $(DBLAST_RECIPE) --n-categories 4 --out $(TRAIN_DIR)/dblast-sd > $(TRAIN_DIR)/dblast-sd.log 2>&1
+	$(TRAIN) $(DBLAST_RECIPE) --steps 1200 --n-categories 4 --out $(TRAIN_DIR)/dblast-sd >> $(TRAIN_DIR)/dblast-sd.log 2>&1
 train-ablation: train-data
 	$(TRAIN) $(SPECBLOCK_RECIPE) --no-target-features --out $(TRAIN_DIR)/specblock-sd-nofeat \
 		> $(TRAIN_DIR)/specblock-sd-nofeat.log 2>&1
