@@ -146,18 +146,23 @@ def iter_conversations(sources: Sequence[str]) -> Iterator[list[Message]]:
         if s not in SOURCES:
             raise ValueError(f"unknown data source {s!r} (known: {', '.join(SOURCES)})")
     banned = eval_prompts()
-    its = [SOURCES[s]() for s in sources]
+    convs = round_robin([SOURCES[s]() for s in sources])
+    yield from (conv for conv in convs if _norm(first_user(conv)) not in banned)
+
+
+def round_robin(its: list[Iterator]) -> Iterator:
+    """One item from each iterator in turn until all are exhausted."""
+    its = list(its)
     while its:
         for it in list(its):
             try:
-                conv = next(it)
+                yield next(it)
             except StopIteration:
                 its.remove(it)
-                continue
-            first = next((m["content"] for m in conv if m["role"] == "user"), "")
-            if _norm(first) in banned:
-                continue
-            yield conv
+
+
+def first_user(messages: list[Message]) -> str:
+    return next((m["content"] for m in messages if m["role"] == "user"), "")
 
 
 # --- rendering and tokens ------------------------------------------------------------------------

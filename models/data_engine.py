@@ -79,19 +79,7 @@ def iter_prompts(sources: Sequence[str]) -> Iterator[list[dict]]:
             if not Path(s).is_file():
                 raise BlockspecError(f"--prompts {s}: not a file, nor one of {', '.join(data.SOURCES)}")
             its.append(iter(load_prompts(s)))
-    while its:
-        for it in list(its):
-            try:
-                msgs = next(it)
-            except StopIteration:
-                its.remove(it)
-                continue
-            if msgs:
-                yield msgs
-
-
-def first_user(msgs: list[dict]) -> str:
-    return next((m["content"] for m in msgs if m["role"] == "user"), "")
+    yield from (msgs for msgs in data.round_robin(its) if msgs)
 
 
 # ------------------------------------------------------------------------------------- engine
@@ -158,13 +146,14 @@ class ShardWriter:
         from safetensors import safe_open
 
         self.done: set[int] = set()
-        self.n_tokens = self.n_answer = 0
+        self.n_tokens = self.n_answer = self.bytes = 0
         self.shards = sorted(out.glob("shard_*.safetensors"))
         for p in self.shards:
             with safe_open(str(p), "numpy") as f:
                 idx = f.get_tensor("prompt_idx")
                 lengths, starts = f.get_tensor("lengths"), f.get_tensor("answer_start")
             self.done.update(int(i) for i in idx)
+            self.bytes += p.stat().st_size
             self.n_tokens += int(lengths.sum())
             self.n_answer += int((lengths - starts).sum())
         for p in out.glob(f"{prefix}*.tmp"):
@@ -201,12 +190,13 @@ class ShardWriter:
         save_file(data, str(tmp))
         os.replace(tmp, path)
         self.shards.append(path)
+        self.bytes += path.stat().st_size
         self.done.update(s["prompt_idx"] for s in seqs)
         self.n_tokens += int(data["lengths"].sum())
         self.n_answer += int((data["lengths"] - data["answer_start"]).sum())
 
     def disk_bytes(self) -> int:
-        return sum(p.stat().st_size for p in self.shards)
+        return self.bytes
 
 
 def _file_sha(path: Path) -> str:
@@ -229,7 +219,7 @@ def run_engine(target_path: str | os.PathLike, sources: Sequence[str], out_dir: 
     from blockspec.runtime.engine.sampling import SamplingParams, target_distribution
     from blockspec.runtime.llama.target import Target, TargetConfig
 
-    from .data import _norm, eval_prompts
+    from .data import _norm, eval_prompts, first_user
 
     out = Path(out_dir)
     n_ctx_seq = cfg.max_prompt + cfg.max_new + 8
@@ -294,16 +284,22 @@ def run_engine(target_path: str | os.PathLike, sources: Sequence[str], out_dir: 
     free = list(range(cfg.n_parallel))[::-1]
     t0, n_new = time.time(), 0
 
-    def record(slot: Slot, logits_rows: np.ndarray) -> list[int]:
-        """Per slot: the next token from its last row of logits; stores greedy/top-k there."""
-        g, ids, logp = top_k_logp(logits_rows, cfg.top_k)
-        slot.greedy.append(int(g[0]))
-        slot.top_ids.append(ids[0])
-        slot.top_logp.append(logp[0])
-        if slot.sampled:
-            p = target_distribution(logits_rows[0], sp)
-            return int(slot.rng.choice(len(p), p=p))
-        return int(g[0])
+    def record(act: list[Slot], rows: np.ndarray) -> None:
+        """Each slot's next token from its row of logits [len(act), V] (greedy/top-k stored there,
+        one top-k pass for all rows); a slot that ends is written out."""
+        g, ids, logp = top_k_logp(rows, cfg.top_k)
+        for i, slot in enumerate(act):
+            slot.greedy.append(int(g[i]))
+            slot.top_ids.append(ids[i])
+            slot.top_logp.append(logp[i])
+            if slot.sampled:
+                p = target_distribution(rows[i], sp)
+                nxt = int(slot.rng.choice(len(p), p=p))
+            else:
+                nxt = int(g[i])
+            slot.tokens.append(nxt)
+            if target.is_eog(nxt) or len(slot.tokens) - slot.n_prompt >= cfg.max_new:
+                finish(slot)
 
     def finish(slot: Slot) -> None:
         writer.add(slot, cfg.top_k)
@@ -320,10 +316,7 @@ def run_engine(target_path: str | os.PathLike, sources: Sequence[str], out_dir: 
         target.prefill(toks, seq_id=seq, on_chunk=lambda chunk: slot.feats.append(
             np.concatenate([target.tap(lid) for lid in layers], -1).astype(np.float16)))
         slots[seq] = slot
-        nxt = record(slot, target.logits_row(-1)[None])
-        slot.tokens.append(nxt)
-        if target.is_eog(nxt) or cfg.max_new <= 1:
-            finish(slot)
+        record([slot], target.logits_row(-1)[None])
 
     try:
         exhausted = False
@@ -340,13 +333,9 @@ def run_engine(target_path: str | os.PathLike, sources: Sequence[str], out_dir: 
             target.decode([s.tokens[-1] for s in act], [len(s.tokens) - 1 for s in act],
                           [(s.seq,) for s in act], logits=[True] * len(act))
             feats = np.concatenate([target.tap(lid) for lid in layers], -1).astype(np.float16)
-            rows = np.stack([target.logits_row(i) for i in range(len(act))])
             for i, s in enumerate(act):
                 s.feats.append(feats[i:i + 1])
-                nxt = record(s, rows[i:i + 1])
-                s.tokens.append(nxt)
-                if target.is_eog(nxt) or len(s.tokens) - s.n_prompt >= cfg.max_new:
-                    finish(s)
+            record(act, np.stack([target.logits_row(i) for i in range(len(act))]))
             n_new += len(act)
             dt = time.time() - t0
             bar.set_postfix_str(f"{n_new / dt:.0f} answer tok/s, {writer.disk_bytes() >> 20} MiB")
