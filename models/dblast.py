@@ -123,6 +123,12 @@ class DBlast(BlockDrafter):
                 generator: torch.Generator | None = None):
         """n_branches blocks per anchor: z ~ softmax(prior / Z_T) (Z_T = 0: the most likely
         categories), each branch decoded greedily. -> tokens [B, N, n, P] (target ids), z [B, N, n]."""
+        logits, z = self.propose_logits(feats, anchors, last_tokens, cache, n_branches, z_temperature, generator)
+        return self.vocab.to_target(logits.argmax(-1)), z
+
+    def propose_logits(self, feats, anchors, last_tokens, cache=None, n_branches: int = 1,
+                       z_temperature: float = 1.0, generator: torch.Generator | None = None):
+        """`propose`'s branches before the argmax: logits [B, N, n, P, Vd] (draft ids), z [B, N, n]."""
         x = self.states(feats, anchors, last_tokens, cache)
         prior = self.prior(x[:, :, 0]).float()  # [B, N, Kz]
         B, N, Kz = prior.shape
@@ -133,8 +139,7 @@ class DBlast(BlockDrafter):
         else:
             probs = torch.softmax(prior / z_temperature, dim=-1).view(B * N, Kz)
             z = torch.multinomial(probs, n_branches, replacement=True, generator=generator).view(B, N, -1)
-        logits = self.branch_logits(x[:, :, 1:], z)
-        return self.vocab.to_target(logits.argmax(-1)), z
+        return self.branch_logits(x[:, :, 1:], z), z
 
 
 Model = DBlast

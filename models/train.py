@@ -98,6 +98,8 @@ class TrainConfig:
     seed: int = _opt(0, "seed of the split, the batches and the init")
     threads: int = _opt(0, "torch threads (0: torch's default)")
     resume: bool = _opt(True, "continue from the checkpoint in --out if there is one")
+    init: str = _opt("", "fine-tune: start from this drafter (checkpoint dir or GGUF), its shape, draft "
+                         "vocabulary and weights (the size options are then ignored)")
 
 FEATURE_SOURCES = ("cache", "on-the-fly")
 DEFAULT_BLOCK = {"specblock": 4, "dblast": 5}  # K / B when --block-size is 0
@@ -461,19 +463,30 @@ def train(c: TrainConfig, target=None, progress: bool = True, source=None) -> di
     out = Path(c.out)
     if target is None:
         target = load_target(c.target)
-    margs = make_model_args(c, target.args)
+    if c.init:  # fine-tuning: the drafter's own shape, vocabulary and feature scale
+        from blockspec.runtime.errors import BlockspecError
+
+        from .checkpoint import load_checkpoint
+
+        model, _ = load_checkpoint(c.init)
+        if model.args.model_type != c.method:
+            raise BlockspecError(f"--init {c.init} is a {model.args.model_type} drafter, not {c.method}")
+        margs = dataclasses.asdict(model.args)
+        print(json.dumps(dict(init=c.init)), flush=True)
+    else:
+        margs = make_model_args(c, target.args)
+        model = build_model(margs)
     if source is None:
         source = feature_source(c, target, margs["target_layers"])
-    model = build_model(margs)
     model.bind_target(target.tok_embeddings.weight, target.head_weight)
-    if margs["draft_vocab_size"]:
+    if margs["draft_vocab_size"] and not c.init:
         # frequency-based draft vocabulary: the training labels (cache) or the text (on-the-fly)
         counts = source.label_counts(margs["vocab_size"])
         d2t = torch.from_numpy(np.argsort(-counts, kind="stable")[: margs["draft_vocab_size"]].copy())
         model.vocab.set_vocab(d2t, target.head_weight)
         coverage = float(counts[d2t.numpy()].sum() / max(1, counts.sum()))
         print(json.dumps(dict(draft_vocab=margs["draft_vocab_size"], label_coverage=round(coverage, 4))), flush=True)
-    if c.feature_scale and not c.no_target_features:
+    if c.feature_scale and not c.no_target_features and not c.init:
         # 1/RMS per feature dimension over up to 64 training rows, positions 1..len-1 (position 0
         # carries the attention-sink outliers); a checkpoint resumed below keeps its own scale
         n_train = max(1, int(len(source.lengths) * (1 - c.heldout_frac)))

@@ -20,6 +20,6 @@ class FixedDrafter(Drafter):
         self.block_size = block_size
         self.max_nodes = block_size
 
-    def propose(self, history: Sequence[int]) -> DraftTree:
+    def propose(self, history: Sequence[int], sampler=None) -> DraftTree:
         at = len(history) - self.start  # index of the first token after the root
         return DraftTree.chain(int(history[-1]), self.continuation[at: at + self.block_size])

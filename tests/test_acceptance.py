@@ -60,11 +60,13 @@ def _chi2_first_two(draws: np.ndarray, exact: np.ndarray, n: int) -> float:
 
 
 @pytest.mark.parametrize("temperature", [0.6, 1.3])
-@pytest.mark.parametrize("kind", ["chain-q", "tree-q", "tree-match", "chain-match"])
+@pytest.mark.parametrize("kind", ["chain-q", "tree-q", "tree-match", "chain-match", "siblings-no-replacement",
+                                  "branches-own-q"])
 def test_sampled_acceptance_reproduces_target_distribution(kind, temperature):
     """Joint law of the first two emitted tokens equals the target's, for drafts with and
-    without draft probabilities (chi-square over 36 cells, 20k trials; p > 1e-4, so the 8
-    cases together have a false-alarm rate of ~0.1%; seeds are fixed, so runs repeat)."""
+    without draft probabilities, siblings drawn with and without replacement and from different
+    laws (chi-square over 36 cells, 20k trials; p > 1e-4, so the 12 cases together have a
+    false-alarm rate of ~0.1%; seeds are fixed, so runs repeat)."""
     rng = np.random.default_rng([7, int(temperature * 10), len(kind)])
     params = SamplingParams(temperature=temperature, top_k=0, top_p=1.0, min_p=0.0)
     base = rng.normal(size=(V + 1, V)) * 1.5  # target logits: row 0 at root, row 1+x after token x
@@ -72,6 +74,7 @@ def test_sampled_acceptance_reproduces_target_distribution(kind, temperature):
     p2 = np.stack([target_distribution(base[1 + x], params) for x in range(V)])
     exact = (p1[:, None] * p2).ravel()
     q = np.full(V, 1.0 / V) * 0.5 + 0.5 * np.eye(V)[2]  # a deliberately wrong draft distribution
+    q2 = np.full(V, 1.0 / V) * 0.3 + 0.7 * np.eye(V)[4]  # another
 
     n = 20000
     firsts = np.empty(n, dtype=int)
@@ -81,7 +84,11 @@ def test_sampled_acceptance_reproduces_target_distribution(kind, temperature):
             tree = DraftTree.chain(0, [d0, d1], q=[q, q])
         elif kind == "tree-q":
             a, b = (int(x) for x in rng.choice(V, size=2, p=q))
-            tree = DraftTree([0, a, b, int(rng.choice(V, p=q))], [-1, 0, 0, 1], [q, q, None, None])
+            tree = DraftTree([0, a, b, int(rng.choice(V, p=q))], [-1, 0, 0, 1], [None, q, q, q])
+        elif kind == "siblings-no-replacement":  # 3 distinct first tokens, a spine below the first
+            tree = DraftTree.sampled(0, [[q, q]], [3, 1], 4, rng)
+        elif kind == "branches-own-q":  # two branches, each from its own laws
+            tree = DraftTree.sampled(0, [[q, q], [q2, q]], [1, 1], 4, rng)
         elif kind == "tree-match":
             tree = DraftTree.from_paths(0, [[1, 2], [3, 1], [3, 4]])
         else:

@@ -110,8 +110,8 @@ class WithOracle(Drafter):
     def observe(self, tokens, start, feats):
         self.inner.observe(tokens, start, feats)
 
-    def propose(self, history):
-        tree = self.inner.propose(history)  # also checks the inner drafter is in step
+    def propose(self, history, sampler=None):
+        tree = self.inner.propose(history, sampler)  # also checks the inner drafter is in step
         at = len(history) - self.start
         depth = self.steps % (self.block + 1)
         self.steps += 1

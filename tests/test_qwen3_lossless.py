@@ -91,7 +91,7 @@ class FirstStepTree(Drafter):
     def __init__(self, n_prompt: int, successors: dict[int, list[int]]):
         self.n_prompt, self.successors = n_prompt, successors
 
-    def propose(self, history):
+    def propose(self, history, sampler=None):
         root = int(history[-1])
         if len(history) != self.n_prompt + 1:
             return DraftTree([root], [-1])

@@ -4,6 +4,8 @@ against the exact law computed from the target's own logits (chi-square)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from scipy import stats as sps
@@ -27,7 +29,7 @@ class PathsDrafter(Drafter):
         self.paths, self.n_prompt = paths, n_prompt
         self.max_nodes, self.max_leaves = 8, 4
 
-    def propose(self, history):
+    def propose(self, history, sampler=None):
         if len(history) == self.n_prompt + 1:  # root = first generated token: draft its children
             return DraftTree.from_paths(history[-1], [p[1:] for p in self.paths if p[0] == history[-1]])
         return DraftTree([history[-1]], [-1])
@@ -79,3 +81,81 @@ def test_sampled_speculative_matches_target_law(setup, shape, temperature):
     keep = exp > 0
     pvalue = sps.chisquare(obs[keep], exp[keep] * obs.sum() / exp[keep].sum()).pvalue
     assert pvalue > 1e-4, (pvalue, dict(zip(keys, obs)), dict(zip(keys, exp)))
+
+
+def _exact_joint3(t, prompt, params):
+    """Exact law of the first three generated tokens (the target's own logits at every prefix)."""
+    joint2, _ = _exact_joint(t, prompt, params)
+    joint = {}
+    for (x1, x2), pr in joint2.items():
+        t.clear()
+        hist = prompt + [x1, x2]
+        p3 = target_distribution(t.prefill(hist), params, hist)
+        for x3 in np.nonzero(p3)[0]:
+            joint[(x1, x2, int(x3))] = pr * p3[x3]
+    return joint
+
+
+def _chi2_pvalue(counts: dict, joint: dict) -> float:
+    keys = sorted(joint)
+    obs = np.array([counts.get(k, 0) for k in keys], dtype=float)
+    exp = np.array([joint[k] for k in keys]) * sum(counts.values())
+    big = exp >= 5  # pool rare cells so the chi-square approximation holds
+    obs = np.append(obs[big], obs[~big].sum())
+    exp = np.append(exp[big], exp[~big].sum())
+    keep = exp > 0
+    return sps.chisquare(obs[keep], exp[keep] * obs.sum() / exp[keep].sum()).pvalue
+
+
+N_REJECTION_RUNS = 300
+
+
+@pytest.mark.parametrize("temperature,repeat_penalty", [(0.7, 1.0), (1.5, 1.0), (1.0, 1.3)])
+@pytest.mark.parametrize("branches", [1, 2], ids=["chain", "tree"])
+def test_rejection_sampling_with_drafter_q_matches_target_law(setup, branches, temperature, repeat_penalty):
+    """The shipped SpecBlock (ggml) drafts from its own distribution and the engine accepts by
+    recursive rejection sampling: the joint law of the first three generated tokens (the second
+    and third are drafted and judged) is the target's, chi-square against the exact law from the
+    target's logits; drafts were accepted, and the stats name the rule."""
+    from blockspec.runtime.engine.setup import make_drafter, shipped_drafter
+
+    t, prompt = setup
+    params = SamplingParams(temperature=temperature, top_k=3, top_p=1.0, min_p=0.0, repeat_penalty=repeat_penalty)
+    joint = _exact_joint3(t, prompt, params)
+    d = make_drafter("specblock", shipped_drafter("specblock"), "ggml", block_size=4, branches=branches)
+    counts: dict[tuple, int] = {}
+    accepted = 0
+    t.clear()
+    for seed in range(N_REJECTION_RUNS):
+        sp = dataclasses.replace(params, seed=seed)
+        gen = generate(t, prompt, max_tokens=3, sampling=sp, drafter=d)
+        assert gen.stats.acceptance == "rejection"
+        accepted += sum(k * n for k, n in enumerate(gen.stats.accept_hist))
+        key = tuple(gen.tokens[:3])
+        counts[key] = counts.get(key, 0) + 1
+    assert set(counts) <= set(joint), "sampled a triple outside the target's support"
+    assert accepted >= N_REJECTION_RUNS // 10, f"only {accepted} drafted tokens accepted in {N_REJECTION_RUNS} runs"
+    pvalue = _chi2_pvalue(counts, joint)
+    assert pvalue > 1e-4, pvalue
+
+
+@pytest.mark.parametrize("backend", ["ggml", "torch"])
+@pytest.mark.parametrize("method,branches", [("specblock", 1), ("specblock", 2), ("dblast", 1), ("dblast", 2)])
+def test_drafters_sample_from_their_own_laws(setup, method, branches, backend):
+    """Every block drafter, both backends, chains and trees: at T > 0 each drafted node carries the
+    law it was drawn from (a distribution over the target vocabulary giving its token mass), and
+    generation runs with the rejection rule."""
+    from blockspec.runtime.engine.sampling import DraftSampler
+    from blockspec.runtime.engine.setup import make_drafter, shipped_drafter
+
+    t, prompt = setup
+    d = make_drafter(method, shipped_drafter(method), backend, block_size=4, branches=branches)
+    params = SamplingParams(temperature=0.8, seed=1)
+    t.clear()
+    gen = generate(t, prompt, max_tokens=12, sampling=params, drafter=d)
+    assert gen.stats.acceptance == "rejection" and len(gen.tokens) == 12
+    tree = d.propose(prompt + gen.tokens, DraftSampler(params, np.random.default_rng(0)))
+    assert len(tree) > 1 and tree.q[0] is None
+    for tok, law in zip(tree.tokens[1:], tree.q[1:]):
+        assert law.shape == (t.n_vocab,) and abs(law.sum() - 1) < 1e-9 and law[tok] > 0
+    d.trim(0)

@@ -20,11 +20,14 @@ Per method and temperature (sums over the prompts that method completed):
   prompt[:-1] as one batch and the last prompt token alone, our engine the whole prompt as one batch,
   and above 64 rows the CPU kernels are not batch invariant (patch 0004), so the first logits can
   differ in the last bits; compare llama.cpp-plain's entry to tell that from a speculation effect;
-- accept_hist[k]: target passes that accepted k drafted tokens.
+- accept_hist[k]: target passes that accepted k drafted tokens;
+- acceptance: the rule used (greedy at T = 0; at T > 0 rejection, drafts from the drafter's own
+  distribution, or match, deterministic drafts; upstream's tools sample-and-match).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import importlib.util
 import json
@@ -51,12 +54,15 @@ class Method:
     peer: PeerSpec | None = None
     shipped: str | None = None  # the shipped drafter used without --drafter (default: `base`'s)
     auto: bool = False  # --block-size auto: each step's depth from measured costs (runtime/engine/policy.py)
+    acceptance: str = "rejection"  # T > 0: SamplingParams.acceptance (the rule used is in each row)
 
 
 # The one place a method name is parsed. `-tree` variants branch (ngram: merged matches; specblock:
 # rank-head tree of up to block_size * branches nodes; dblast: one branch per category, the most
 # likely under the block's prior, on the ggml backend);
-# `-auto` variants draft a chain whose depth a measured cost model picks each step (0: plain).
+# `-auto` variants draft a chain whose depth a measured cost model picks each step (0: plain);
+# `-match` variants keep deterministic drafts at T > 0 (sample-and-match; the others draw their drafts
+# from the drafter's own distribution and accept by rejection sampling).
 # llama.cpp-ngram uses our ngram's settings (3-token lookup, block_size drafted) so the comparison
 # is engine against engine; llama.cpp-ngram-default keeps upstream's defaults.
 METHODS: dict[str, Method] = {
@@ -67,7 +73,9 @@ METHODS: dict[str, Method] = {
     "specblock": Method("specblock", needs_drafter=True),
     "specblock-tree": Method("specblock", branches=4, needs_drafter=True),
     "specblock-auto": Method("specblock", needs_drafter=True, auto=True),
+    "specblock-match": Method("specblock", needs_drafter=True, acceptance="match"),
     "dblast": Method("dblast", needs_drafter=True),
+    "dblast-match": Method("dblast", needs_drafter=True, acceptance="match"),
     "dblast-tree": Method("dblast", branches=4, needs_drafter=True),
     # plain DFlash (one category, q/k norm): the weights llama.cpp-dflash runs in upstream's engine
     "dblast-kz1": Method("dblast", needs_drafter=True, shipped="dblast-kz1"),
@@ -200,6 +208,7 @@ class Record:
     verify_s: float | None = None
     hist: list[int] = field(default_factory=list)
     same_as_plain: bool | None = None
+    acceptance: str | None = None  # the rule used (Stats.acceptance; peers: upstream's sample-and-match)
 
 
 def _ours(target, drafter, tokens, max_tokens, sampling) -> tuple[Record, list[int]]:
@@ -212,7 +221,7 @@ def _ours(target, drafter, tokens, max_tokens, sampling) -> tuple[Record, list[i
     s = g.stats
     gen_s = g.n_tokens / s.tokens_per_s if s.tokens_per_s > 0 else 0.0
     return Record(g.n_tokens, gen_s, s.tau * s.target_passes, s.target_passes, s.draft_s, s.verify_s,
-                  list(s.accept_hist)), g.tokens
+                  list(s.accept_hist), acceptance=s.acceptance), g.tokens
 
 
 def _lossless_text(plain_text: str, plain_finished_by_length: bool, text: str) -> bool:
@@ -228,7 +237,7 @@ def _summarize(name: str, temp: float, recs: dict[int, Record], plain: dict[int,
                error: str | None) -> dict:
     run = {"method": name, "temperature": temp, "n_prompts": len(recs), "n_tokens": 0, "tau": None,
            "tokens_per_s": None, "speedup_vs_plain": None, "draft_fraction": None, "draft_cost": None,
-           "lossless": None, "accept_hist": []}
+           "lossless": None, "accept_hist": [], "acceptance": None}
     if error:
         run["error"] = error
     if not recs:
@@ -256,6 +265,7 @@ def _summarize(name: str, temp: float, recs: dict[int, Record], plain: dict[int,
     for r in recs.values():
         hist = _add_hist(hist, r.hist)
     run["accept_hist"] = hist
+    run["acceptance"] = "/".join(sorted({r.acceptance for r in recs.values() if r.acceptance})) or None
     return run
 
 
@@ -386,12 +396,15 @@ def run_bench(prompts: str, *, methods: str | Sequence[str] = "plain,ngram",
                                     block_size=block_size, drafter=_drafter_for(n, paths),
                                     timeout=120 + 5.0 * max_tokens)
                                 rec = Record(res.n_tokens, res.gen_s, res.tau * res.target_passes, res.target_passes,
-                                             hist=res.accept_hist)
+                                             hist=res.accept_hist,
+                                             acceptance=None if n == "llama.cpp-plain" else
+                                             "greedy" if temp <= 0 else "match")
                                 if temp <= 0 and i in records[("plain", temp)]:
                                     rec.same_as_plain = _lossless_text(plain_text, len(plain_tokens) >= max_tokens,
                                                                        res.text)
                             else:
-                                rec, out = _ours(target, drafters.get(n), tok, max_tokens, sampling)
+                                rec, out = _ours(target, drafters.get(n), tok, max_tokens,
+                                                 dataclasses.replace(sampling, acceptance=m.acceptance))
                                 if n == "plain":
                                     plain_tokens, plain_text = out, target.detokenize(out)
                                     rec.same_as_plain = True
@@ -479,14 +492,15 @@ def format_table(result: dict) -> str:
         width = int(spec.split(".")[0])
         return f"{'-':>{width + len(suffix)}}" if v is None else format(v, spec) + suffix
 
-    head = f"{'method':<24} {'T':>4} {'n':>3} {'tokens':>6} {'tau':>5} {'tok/s':>7} {'speedup':>7} " \
+    head = f"{'method':<24} {'T':>4} {'rule':>9} {'n':>3} {'tokens':>6} {'tau':>5} {'tok/s':>7} {'speedup':>7} " \
            f"{'draft%':>6} {'d/tok':>5} {'lossless':>8}  accept_hist"
     lines = [head, "-" * len(head)]
     for r in result["runs"]:
         ll = {True: "yes", False: "NO", None: "-"}[r["lossless"]]
         df = None if r["draft_fraction"] is None else 100 * r["draft_fraction"]
         tail = f"error: {r['error']}" if r.get("error") else str(r["accept_hist"])
-        lines.append(f"{r['method']:<24} {r['temperature']:>4g} {r['n_prompts']:>3} {r['n_tokens']:>6} "
+        lines.append(f"{r['method']:<24} {r['temperature']:>4g} {r.get('acceptance') or '-':>9} "
+                     f"{r['n_prompts']:>3} {r['n_tokens']:>6} "
                      f"{f(r['tau'], '5.2f')} {f(r['tokens_per_s'], '7.1f')} {f(r['speedup_vs_plain'], '6.2f', 'x')} "
                      f"{f(df, '6.1f')} {f(r.get('draft_cost'), '5.2f')} {ll:>8}  {tail}")
     m = result["machine"]

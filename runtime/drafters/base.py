@@ -47,9 +47,14 @@ class Drafter:
     def observe(self, tokens: Sequence[int], start: int, feats: dict[int, np.ndarray] | None) -> None:
         """Committed rows: tokens at positions start.., with their target taps [n, n_embd] per layer."""
 
-    def propose(self, history: Sequence[int]) -> DraftTree:
-        """A tree rooted at history[-1] (the last emitted token, not yet in the cache)."""
+    def propose(self, history: Sequence[int], sampler=None) -> DraftTree:
+        """A tree rooted at history[-1] (the last emitted token, not yet in the cache). With a
+        `sampler` (engine/sampling.DraftSampler: `law(logits)` and `rng`), a drafter that
+        `samples_drafts` draws its tokens from its own distribution and records the law of each
+        node (DraftTree.q); otherwise (and always at T = 0) its drafts are deterministic."""
         raise NotImplementedError
+
+    samples_drafts = False  # can draw its drafts from its own distribution (propose's sampler)
 
 
 class BlockDrafter(Drafter):
@@ -88,6 +93,26 @@ class BlockDrafter(Drafter):
 
     def _forget(self, n: int) -> None:
         raise NotImplementedError
+
+    samples_drafts = True
+
+    def _sampled_tree(self, root: int, branch_logits: Sequence[np.ndarray], widths: Sequence[int], sampler,
+                      d2t: np.ndarray | None, n_vocab: int) -> DraftTree:
+        """Drafts drawn from the drafter's own laws: `branch_logits[b]` [depths, Vd] over the draft
+        vocabulary (`d2t` maps its ids to the target's; None: they are the target's), each row's law
+        the request's sampler chain applied to it (`sampler.law`). DraftTree.sampled shapes the tree."""
+        laws = []
+        for logits in branch_logits:
+            rows = []
+            for row in np.asarray(logits, dtype=np.float32):
+                law = sampler.law(row)
+                if d2t is not None:
+                    full = np.zeros(n_vocab)
+                    full[d2t] = law
+                    law = full
+                rows.append(law)
+            laws.append(rows)
+        return DraftTree.sampled(root, laws, list(widths), self.max_nodes, sampler.rng)
 
     def _anchor(self, history: Sequence[int]) -> int:
         """t = len(history) - 2, the last held position: the block rooted at history[-1] = x[t+1]

@@ -284,13 +284,17 @@ class GgmlSpecBlockDrafter(GgmlBlockDrafter):
         out = self._run_block(t, int(history[-1]), self.block_size, ("draft_logits", "rank_logits"))
         return out["draft_logits"], out["rank_logits"]
 
-    def propose(self, history: Sequence[int]) -> DraftTree:
+    def propose(self, history: Sequence[int], sampler=None) -> DraftTree:
         root, K = int(history[-1]), self.block_size
         if not self.tree:  # a chain needs the draft logits only
             logits = self._run_block(self._anchor(history), root, K, ("draft_logits",))["draft_logits"]
+            if sampler is not None:
+                return self._sampled_tree(root, [logits], [1] * K, sampler, self.d2t, self.header["vocab_size"])
             return DraftTree.chain(root, self.to_target(logits.argmax(-1)).tolist())
         logits, rank = self.block_outputs(history)
         widths = self.rank_widths[rank.argmax(-1)]  # [K]
+        if sampler is not None:
+            return self._sampled_tree(root, [logits], widths, sampler, self.d2t, self.header["vocab_size"])
         m = logits.max(-1, keepdims=True)
         logp = logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True))
         cand, cand_lp = [], []
@@ -376,11 +380,17 @@ class GgmlDFlashDrafter(GgmlBlockDrafter):
         out = self._block(history, lambda: self._graph_outputs(("category_prior", "branch_logits")))
         return out["category_prior"], out["branch_logits"].reshape(len(want), self.n_predict, -1)
 
-    def propose(self, history: Sequence[int]) -> DraftTree:
-        root = int(history[-1])
+    def propose(self, history: Sequence[int], sampler=None) -> DraftTree:
+        root, n_vocab = int(history[-1]), self.mask_id
         if self.n_categories == 1:
-            return DraftTree.chain(root, self.block_logits(history)[:self.block_size].argmax(-1).tolist())
+            logits = self.block_logits(history)[:self.block_size, :n_vocab]  # the mask id dropped
+            if sampler is not None:
+                return self._sampled_tree(root, [logits], [1] * self.block_size, sampler, None, n_vocab)
+            return DraftTree.chain(root, logits.argmax(-1).tolist())
         _, logits = self.branch_logits(history)
+        if sampler is not None:  # the branches' categories as at T = 0; each branch's tokens drawn
+            return self._sampled_tree(root, list(logits[:, :self.block_size]), [1] * self.block_size, sampler,
+                                      self.d2t, n_vocab)
         paths = self.to_target(logits[:, :self.block_size].argmax(-1))
         return DraftTree.from_paths(root, paths.tolist())
 

@@ -31,7 +31,7 @@ class NgramDrafter(Drafter):
         self.max_nodes = block_size * branches
         self.max_leaves = branches
 
-    def propose(self, history: Sequence[int]) -> DraftTree:
+    def propose(self, history: Sequence[int], sampler=None) -> DraftTree:
         h = np.asarray(history)
         n_hist = len(h)
         paths: list[list[int]] = []

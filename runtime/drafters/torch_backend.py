@@ -125,6 +125,13 @@ class TorchDrafter(BlockDrafter):
         torch = _torch()
         return torch.tensor([[self._anchor(history)]]), torch.tensor([[int(history[-1])]])
 
+    def _d2t(self) -> np.ndarray | None:
+        """Target id of each draft id (None: the drafter drafts over the target's vocabulary)."""
+        if not self.args.draft_vocab_size:
+            return None
+        torch = _torch()
+        return self.model.vocab.to_target(torch.arange(self.args.draft_vocab_size)).numpy()
+
     @classmethod
     def load(cls, path: str | os.PathLike, **options) -> "TorchDrafter":
         """The drafter of the checkpoint dir `path` (its model_type picks the class)."""
@@ -147,16 +154,19 @@ class SpecBlockDrafter(TorchDrafter):
         self.max_nodes = max(1, max_nodes) if tree else self.block_size
         self.max_leaves = self.max_nodes if tree else 1
 
-    def propose(self, history: Sequence[int]) -> DraftTree:
+    def propose(self, history: Sequence[int], sampler=None) -> DraftTree:
         torch = _torch()
         anchors, last = self._block_inputs(history)
         root, K = int(history[-1]), self.block_size
         with torch.inference_mode():
             out = self.model(self._empty, anchors, last, self.cache)  # cache unchanged: no new rows
         logits = out.logits[0, 0, :K].float()  # [K, Vd]
-        if not self.tree:
+        if not self.tree and sampler is None:
             return DraftTree.chain(root, self.model.vocab.to_target(logits.argmax(-1)).tolist())
         widths = torch.tensor(self.args.rank_widths)[out.rank_logits[0, 0, :K].argmax(-1)]  # [K]
+        if sampler is not None:
+            return self._sampled_tree(root, [logits.numpy()], widths.tolist() if self.tree else [1] * K, sampler,
+                                      self._d2t(), self.args.vocab_size)
         logp = torch.log_softmax(logits, dim=-1)
         wmax = int(widths.max())
         top = logp.topk(min(wmax, logp.shape[-1]), dim=-1)
@@ -178,13 +188,17 @@ class DBlastDrafter(TorchDrafter):
         self.max_nodes = self.block_size * self.branches
         self.max_leaves = self.branches
 
-    def propose(self, history: Sequence[int]) -> DraftTree:
+    def propose(self, history: Sequence[int], sampler=None) -> DraftTree:
         torch = _torch()
         anchors, last = self._block_inputs(history)
         with torch.inference_mode():
-            toks, _ = self.model.propose(self._empty, anchors, last, self.cache, n_branches=self.branches,
-                                         z_temperature=self.z_temperature, generator=self.generator)
-        paths = toks[0, 0, :, :self.block_size].tolist()  # [n, P]
+            logits, _ = self.model.propose_logits(self._empty, anchors, last, self.cache, n_branches=self.branches,
+                                                  z_temperature=self.z_temperature, generator=self.generator)
+        logits = logits[0, 0, :, :self.block_size].float()  # [n, P, Vd]
+        if sampler is not None:
+            return self._sampled_tree(int(history[-1]), list(logits.numpy()), [1] * self.block_size, sampler,
+                                      self._d2t(), self.args.vocab_size)
+        paths = self.model.vocab.to_target(logits.argmax(-1)).tolist()  # [n, P]
         return DraftTree.from_paths(int(history[-1]), paths)
 
 

@@ -21,8 +21,9 @@ import numpy as np
 class DraftTree:
     tokens: list[int]  # [n_nodes], tokens[0] = root
     parents: list[int]  # [n_nodes], parents[0] = -1
-    # q[i]: [n_vocab] draft distribution the children of node i were sampled from (i.i.d.),
-    # or None where the children were chosen deterministically (greedy / top-k / lookup)
+    # q[i]: [n_vocab] the law node i's token was drawn from, given its parent's path and its
+    # earlier siblings (runtime/engine/acceptance.py), or None where it was chosen
+    # deterministically (greedy / top-k / lookup); q[0] is None
     q: list[np.ndarray | None] = field(default_factory=list)
 
     def __post_init__(self):
@@ -39,10 +40,39 @@ class DraftTree:
         """root -> d0 -> d1 ...; q[k] (optional) is the distribution d_k was drawn from."""
         tokens = [root, *drafted]
         parents = [-1, *range(len(drafted))]
-        qs: list[np.ndarray | None] = [None] * len(tokens)
-        if q is not None:
-            for k, dist in enumerate(q):
-                qs[k] = dist  # d_k is a child of node k
+        return cls(tokens, parents, [None, *q] if q is not None else [])
+
+    @classmethod
+    def sampled(cls, root: int, branches: list[list[np.ndarray]], widths: list[int], max_nodes: int,
+                rng: np.random.Generator) -> "DraftTree":
+        """A tree of drafts drawn from draft distributions, for rejection sampling.
+
+        `branches[b][k]` is the [n_vocab] law of depth k's token in branch b (it may not depend on
+        the tokens drawn before it in the branch: a block drafter's one pass gives every depth's).
+        Each branch is a spine, one token per depth drawn from its law; depth k of the spine also
+        gets up to widths[k] - 1 siblings, drawn from the same law without replacement, while the
+        `max_nodes` budget lasts (shallow depths first). Every node records the law it was drawn
+        from given what was drawn before it: its depth's law with its earlier siblings (same
+        branch) removed and renormalised. Branches are drawn independently of each other."""
+        tokens, parents, qs = [root], [-1], [None]
+        n_spine = sum(min(len(d), max_nodes) for d in branches)
+        spare = max(0, max_nodes - n_spine)
+        for dists in branches:
+            parent = 0
+            for k, q in enumerate(dists):
+                if len(tokens) - 1 >= max_nodes:
+                    break
+                extra = min(max(0, widths[k] - 1) if k < len(widths) else 0, spare)
+                spine = None
+                for tok, law in draw_without_replacement(q, 1 + extra, rng):
+                    tokens.append(tok)
+                    parents.append(parent)
+                    qs.append(law)
+                    spine = len(tokens) - 1 if spine is None else spine
+                if spine is None:  # a law with no mass left: nothing to draw
+                    break
+                spare -= len(tokens) - 1 - spine
+                parent = spine
         return cls(tokens, parents, qs)
 
     @classmethod
@@ -123,3 +153,20 @@ class DraftTree:
             for node in self.path(leaf):
                 ids[node].append(base + j)
         return ids, leaves
+
+
+def draw_without_replacement(q: np.ndarray, n: int, rng: np.random.Generator) -> list[tuple[int, np.ndarray]]:
+    """Up to n distinct tokens from q, one at a time; each with the law it was drawn from (q with the
+    earlier ones removed, renormalised). Inverse CDF on one uniform per token."""
+    out: list[tuple[int, np.ndarray]] = []
+    law = np.asarray(q, dtype=np.float64)
+    for _ in range(n):
+        cdf = np.cumsum(law)
+        if cdf[-1] <= 0:
+            break
+        law = law / cdf[-1]
+        tok = int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), law.shape[0] - 1))
+        out.append((tok, law))
+        law = law.copy()
+        law[tok] = 0.0
+    return out

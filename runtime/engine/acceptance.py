@@ -18,11 +18,19 @@ Rules:
   x ~ p_target at the node; descend into the child whose token is x, else emit x. The
   emitted token at every position is exactly a draw from p_target (this is what upstream
   llama.cpp does for chains, extended to trees).
-- sampled, children drawn i.i.d. from a draft distribution q: *recursive rejection
-  sampling* (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative
-  Decoding", for one child; Miao et al. 2024, SpecInfer, for several): try child x with
-  probability min(1, p(x)/q(x)); on rejection replace p by norm(max(p - q, 0)) and try the
+- sampled, children drawn from draft distributions: *recursive rejection sampling*
+  (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding", for one
+  child; Miao et al. 2024, SpecInfer, for several): try child c (token x, drawn from q_c) with
+  probability min(1, p(x)/q_c(x)); on rejection replace p by norm(max(p - q_c, 0)) and try the
   next child; if all are rejected emit a draw from the last residual. Again exactly p.
+  Why, for any siblings: q_c is the law of child c's token *given the tokens and verdicts of
+  the children tried before it* (tree.q[c]). Then trying c is one step of speculative
+  sampling of the current target p from proposal q_c, whose output (x if accepted, else a
+  draw from the residual) has law p; by induction over the children, so has the whole walk
+  at the node. This covers siblings drawn i.i.d. (q_c = q), drawn from different laws
+  independently (DBlast branches), and drawn *without replacement* (q_c = q with the earlier
+  siblings removed, renormalised): x_1 is only ever rejected when p(x_1) < q(x_1), so the
+  residual gives x_1 no mass and never needs it again (tree.draw_without_replacement).
 The target distribution p is `sampling.target_distribution` — the same function plain
 decoding samples from, penalties and filters included — evaluated with the node's own
 history (the committed tokens plus the path to it).
@@ -77,16 +85,15 @@ def accept_sampled(tree: DraftTree, logits: np.ndarray, sampling: SamplingParams
         p = target_distribution(logits[node], sampling, _node_history(tree, node, history))
         if not kids[node]:
             return Verdict(accepted, draw(p, rng), bonus=True)
-        q = tree.q[node]
         nxt = None
-        if q is None:
+        if tree.q[kids[node][0]] is None:  # deterministic children: sample-and-match
             x = draw(p, rng)
             nxt = next((c for c in kids[node] if tree.tokens[c] == x), None)
             if nxt is None:
                 return Verdict(accepted, x, bonus=False)
         else:
             for c in kids[node]:
-                x = tree.tokens[c]
+                x, q = tree.tokens[c], tree.q[c]
                 if q[x] > 0 and rng.random() * q[x] < p[x]:  # accept w.p. min(1, p/q)
                     nxt = c
                     break

@@ -25,6 +25,7 @@ from blockspec.runtime.engine.sampling import SamplingParams, make_rng, sample
 class Stats:
     method: str
     drafter_backend: str | None = None
+    acceptance: str | None = None  # greedy | match | rejection (speculative.acceptance_rule); None: plain
     tau: float = 0.0  # new tokens per target pass (prefill included, so plain is exactly 1.0)
     target_passes: int = 0
     tokens_per_s: float = 0.0  # generated tokens / generation wall time (prefill excluded)
@@ -143,7 +144,7 @@ def generate_stream(target, prompt: Sequence[int], *, max_tokens: int = 256,
     GeneratorExit from an interrupted consumer) the cache holds exactly prompt + emitted
     tokens except the last, and `target.cached` says so.
     """
-    from blockspec.runtime.engine.speculative import speculative_steps
+    from blockspec.runtime.engine.speculative import acceptance_rule, speculative_steps
 
     prompt = list(prompt)
     if not prompt:
@@ -157,6 +158,7 @@ def generate_stream(target, prompt: Sequence[int], *, max_tokens: int = 256,
     stats = stats if stats is not None else Stats(method="plain")
     stats.method = drafter.name if drafter is not None else "plain"
     stats.drafter_backend = drafter.backend if drafter is not None else None
+    stats.acceptance = acceptance_rule(sampling, drafter) if drafter is not None else None
     stats.prompt_tokens = len(prompt)
     t0 = time.perf_counter()
     try:

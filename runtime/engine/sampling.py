@@ -25,10 +25,33 @@ class SamplingParams:
     repeat_penalty: float = 1.0
     repeat_last_n: int = 64
     seed: int | None = None
+    # T > 0 with a drafter (runtime/engine/acceptance.py): "rejection" drafts from the drafter's own
+    # distribution and accepts by rejection sampling; "match" keeps deterministic drafts and
+    # sample-and-match, whose output equals plain decoding's for the same seed
+    acceptance: str = "rejection"
+
+    def __post_init__(self):
+        if self.acceptance not in ACCEPTANCE:
+            raise ValueError(f"acceptance must be one of {', '.join(ACCEPTANCE)}, not {self.acceptance!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+
+ACCEPTANCE = ("rejection", "match")
+
+
+class DraftSampler:
+    """What a drafter needs to draw drafts at T > 0: the law of a draft given the drafter's logits
+    (the request's sampler chain, penalty aside: top-k, top-p, min-p and temperature narrow q
+    where they narrow p, so more of q's mass is where p's is) and the generator to draw with."""
+
+    def __init__(self, params: SamplingParams, rng: np.random.Generator):
+        self.params, self.rng = params, rng
+
+    def law(self, logits: np.ndarray) -> np.ndarray:
+        return target_distribution(logits, self.params)
 
 
 def penalize(logits: np.ndarray, history: Sequence[int], p: SamplingParams) -> np.ndarray:

@@ -15,10 +15,20 @@ from typing import Iterator
 import numpy as np
 
 from blockspec.runtime.engine.acceptance import Verdict, accept
-from blockspec.runtime.engine.sampling import sample
+from blockspec.runtime.engine.sampling import DraftSampler, SamplingParams, sample
 from blockspec.runtime.drafters.tree import DraftTree
 
 MAIN_SEQ = 0
+
+
+def acceptance_rule(sampling: SamplingParams, drafter) -> str:
+    """The rule a run uses (Stats.acceptance): `greedy` at T = 0; at T > 0 `rejection` where the
+    request asks for it and the drafter can draw from its own distribution, else `match`."""
+    if sampling.greedy:
+        return "greedy"
+    if sampling.acceptance == "rejection" and getattr(drafter, "samples_drafts", False):
+        return "rejection"
+    return "match"
 
 
 def verify_tree(target, tree: DraftTree, n_past: int, taps: tuple[int, ...] = ()):
@@ -64,6 +74,7 @@ def speculative_steps(s) -> Iterator[list[int]]:
     s.stats.record_pass(0)
     yield [bonus]
     policy = getattr(d, "policy", None)  # runtime/engine/policy.py: --block-size auto (chains)
+    sampler = DraftSampler(s.sampling, s.rng) if acceptance_rule(s.sampling, d) == "rejection" else None
     while True:
         n_past = len(s.tokens) - 1  # the cache holds tokens[:-1]; the root is tokens[-1]
         t0 = time.perf_counter()
@@ -71,7 +82,7 @@ def speculative_steps(s) -> Iterator[list[int]]:
         if depth == 0:
             tree = DraftTree([s.tokens[-1]], [-1])  # the drafter does not pay now: a plain step
         else:
-            tree = d.propose(s.tokens)
+            tree = d.propose(s.tokens, sampler)
             if depth is not None:
                 tree = tree.prefix(depth + 1)  # a chain: root + depth drafted tokens
         t1 = time.perf_counter()

@@ -7,16 +7,20 @@ from typing import Callable
 from blockspec.runtime.engine.setup import default_method, open_speculative
 from blockspec.runtime.engine.generate import Generation, generate
 from blockspec.runtime.llama.prompt import prompt_tokens
-from blockspec.runtime.engine.sampling import SamplingParams
+from blockspec.runtime.engine.sampling import ACCEPTANCE, SamplingParams
+from blockspec.runtime.errors import BlockspecError
 
 
 def run_generate(prompt: str, *, model: str | None = None, method: str | None = None, drafter: str | None = None,
                  drafter_backend: str | None = None, block_size: int | str = 4, branches: int = 1, max_tokens: int = 256,
                  temperature: float = 0.0, top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05,
                  repeat_penalty: float = 1.0, seed: int | None = None, raw: bool = False, system: str | None = None,
-                 n_ctx: int = 4096, verbose: bool = False, on_text: Callable[[str], None] | None = None) -> Generation:
+                 n_ctx: int = 4096, verbose: bool = False, on_text: Callable[[str], None] | None = None,
+                 acceptance: str = "rejection") -> Generation:
+    if acceptance not in ACCEPTANCE:
+        raise BlockspecError(f"acceptance must be one of {', '.join(ACCEPTANCE)}, not {acceptance!r}")
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                              repeat_penalty=repeat_penalty, seed=seed)
+                              repeat_penalty=repeat_penalty, seed=seed, acceptance=acceptance)
     method = method or default_method(model, drafter)
     target, d = open_speculative(model, method, drafter, drafter_backend, block_size=block_size, branches=branches,
                                  n_ctx=n_ctx, verbose=verbose)

@@ -12,6 +12,8 @@ import sys
 
 import click
 
+from blockspec.runtime.frontends.cli_apps import ACCEPTANCE, ACCEPTANCE_HELP
+
 
 class _Group(click.Group):
     def invoke(self, ctx):
@@ -53,6 +55,8 @@ def cli():
 @click.option("--repeat-penalty", type=float, default=1.0, show_default=True,
               help="repetition penalty over the last 64 tokens (1: off)")
 @click.option("--seed", type=int, default=None, help="sampling seed [default: random]")
+@click.option("--acceptance", type=click.Choice(ACCEPTANCE), default=ACCEPTANCE[0], show_default=True,
+              help=ACCEPTANCE_HELP)
 @click.option("--raw", is_flag=True, help="do not apply the GGUF chat template")
 @click.option("--system", default=None, help="system message (chat template only)")
 @click.option("--n-ctx", type=int, default=4096, show_default=True, help="target context length (tokens)")
@@ -60,8 +64,8 @@ def cli():
 @click.option("--verbose", is_flag=True, help="show llama.cpp's log")
 @click.option("--compare-plain", is_flag=True, help="then decode the same prompt plainly and print the speedup "
               "(and, greedy, whether the outputs are identical)")
-def generate(prompt, model, method, drafter, drafter_backend, block_size, branches, max_tokens, temperature, top_k, top_p, min_p, repeat_penalty, seed, raw,
-             system, n_ctx, as_json, verbose, compare_plain):
+def generate(prompt, model, method, drafter, drafter_backend, block_size, branches, max_tokens, temperature, top_k, top_p,
+             min_p, repeat_penalty, seed, acceptance, raw, system, n_ctx, as_json, verbose, compare_plain):
     """Generate a completion for PROMPT."""
     from blockspec.runtime.frontends.api import run_generate
 
@@ -73,7 +77,8 @@ def generate(prompt, model, method, drafter, drafter_backend, block_size, branch
                   min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, raw=raw, system=system, n_ctx=n_ctx,
                   verbose=verbose)
     gen = run_generate(prompt, method=method, drafter=drafter, drafter_backend=drafter_backend,
-                       block_size=block_size, branches=branches, on_text=None if as_json else stream, **common)
+                       block_size=block_size, branches=branches, on_text=None if as_json else stream,
+                       acceptance=acceptance, **common)
     if as_json:
         click.echo(json.dumps(gen.to_json()))
     else:

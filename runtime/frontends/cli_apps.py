@@ -5,12 +5,18 @@ from __future__ import annotations
 
 import click
 
+from blockspec.runtime.engine.sampling import ACCEPTANCE
+
 _METHOD_HELP = "drafter method: plain, ngram, ... [default: the --drafter's method, else plain]"
+ACCEPTANCE_HELP = ("T > 0 with a drafter: rejection (drafts drawn from the drafter's own distribution) or match "
+                   "(deterministic drafts; output equals plain decoding's for the same seed)")
 
 
 def _model_options(f):
     f = click.option("--verbose", is_flag=True, help="show llama.cpp's log")(f)
     f = click.option("--n-ctx", type=int, default=4096, show_default=True, help="target context length (tokens)")(f)
+    f = click.option("--acceptance", type=click.Choice(ACCEPTANCE), default=ACCEPTANCE[0], show_default=True,
+                     help=ACCEPTANCE_HELP)(f)
     f = click.option("--block-size", default="4", show_default=True,
               help="drafted tokens per block, or auto: each step's depth from measured costs")(f)
     f = click.option("--drafter-backend", type=click.Choice(["torch", "ggml"]), default=None,
@@ -28,7 +34,8 @@ def _model_options(f):
 @click.option("--system", default=None, help="system message")
 @click.option("--max-tokens", type=int, default=1024, show_default=True, help="per answer (<= 0: up to the context)")
 @click.option("--seed", type=int, default=None, help="sampling seed [default: random]")
-def chat(model, drafter, method, drafter_backend, block_size, n_ctx, verbose, temperature, system, max_tokens, seed):
+def chat(model, drafter, method, drafter_backend, block_size, n_ctx, acceptance, verbose, temperature, system, max_tokens,
+         seed):
     """Interactive chat with streaming answers.
 
     Commands: /reset, /stats, /temp X, /exit (or Ctrl-D). Ctrl-C stops the current
@@ -37,7 +44,8 @@ def chat(model, drafter, method, drafter_backend, block_size, n_ctx, verbose, te
     from blockspec.runtime.frontends.chat import run_chat
 
     run_chat(model=model, drafter=drafter, method=method, drafter_backend=drafter_backend, block_size=block_size,
-             temperature=temperature, system=system, max_tokens=max_tokens, n_ctx=n_ctx, seed=seed, verbose=verbose)
+             temperature=temperature, system=system, max_tokens=max_tokens, n_ctx=n_ctx, seed=seed, verbose=verbose,
+             acceptance=acceptance)
 
 
 @click.command()
@@ -45,7 +53,7 @@ def chat(model, drafter, method, drafter_backend, block_size, n_ctx, verbose, te
 @click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on")
 @click.option("--port", type=int, default=8000, show_default=True, help="TCP port to listen on")
 @click.option("--model-alias", default=None, help="model id reported by /v1/models [default: the GGUF file name]")
-def serve(model, drafter, method, drafter_backend, block_size, n_ctx, verbose, host, port, model_alias):
+def serve(model, drafter, method, drafter_backend, block_size, n_ctx, acceptance, verbose, host, port, model_alias):
     """OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions (SSE streaming
     with "stream": true) and /v1/models.
 
@@ -55,4 +63,4 @@ def serve(model, drafter, method, drafter_backend, block_size, n_ctx, verbose, h
     from blockspec.runtime.frontends.server import run_server
 
     run_server(model=model, drafter=drafter, method=method, drafter_backend=drafter_backend, block_size=block_size,
-               n_ctx=n_ctx, verbose=verbose, host=host, port=port, model_alias=model_alias)
+               n_ctx=n_ctx, verbose=verbose, host=host, port=port, model_alias=model_alias, acceptance=acceptance)

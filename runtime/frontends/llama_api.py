@@ -27,7 +27,7 @@ from blockspec.runtime.engine.setup import default_method, open_speculative
 from blockspec.runtime.errors import BlockspecError
 from blockspec.runtime.engine.generate import Stats, generate_stream
 from blockspec.runtime.llama.prompt import chat_tokens
-from blockspec.runtime.engine.sampling import SamplingParams
+from blockspec.runtime.engine.sampling import ACCEPTANCE, SamplingParams
 
 
 class StopText:
@@ -87,7 +87,10 @@ class SpeculativeLlama:
     def __init__(self, model_path: str | None = None, drafter_path: str | None = None, method: str | None = None,
                  n_ctx: int = 4096, n_gpu_layers: int = -1, seed: int | None = None, verbose: bool = False,
                  n_threads: int | None = None, block_size: int = 4, branches: int = 1,
-                 drafter_backend: str | None = None, n_batch: int = 512):
+                 drafter_backend: str | None = None, n_batch: int = 512, acceptance: str = "rejection"):
+        if acceptance not in ACCEPTANCE:
+            raise BlockspecError(f"acceptance must be one of {', '.join(ACCEPTANCE)}, not {acceptance!r}")
+        self.acceptance = acceptance
         self.method = method or default_method(model_path, drafter_path)
         self.target, self.drafter = open_speculative(
             model_path, self.method, drafter_path, drafter_backend, block_size=block_size, branches=branches,
@@ -159,7 +162,7 @@ class SpeculativeLlama:
         if seed is None:
             seed = int(self._seeds.integers(0, 2**63 - 1))
         return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                              repeat_penalty=repeat_penalty, seed=seed)
+                              repeat_penalty=repeat_penalty, seed=seed, acceptance=self.acceptance)
 
     def _texts(self, prompt: list[int], max_tokens: int | None, sampling: SamplingParams,
                stop: str | list[str] | None, out: _Outcome) -> Iterator[str]:
