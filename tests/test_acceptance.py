@@ -124,8 +124,10 @@ def _full_vocab_distribution(x, p):
     candidates only; both must describe the same distribution."""
     n = x.shape[0]
     keep = np.ones(n, dtype=bool)
-    if 0 < p.top_k < n:
-        keep &= x >= np.sort(x)[n - p.top_k]
+    if 0 < p.top_k < n:  # llama.cpp's top-k: exactly k, its partial sort breaking ties
+        from blockspec.runtime.llama.topk import top_k_ids
+
+        keep &= np.isin(np.arange(n), top_k_ids(x.astype(np.float32), p.top_k))
     q = np.where(keep, np.exp(x - x[keep].max()), 0.0)
     q /= q.sum()
     if p.top_p < 1.0:
@@ -149,3 +151,18 @@ def test_target_distribution_equals_full_vocabulary_chain(top_k, top_p, min_p):
             np.testing.assert_allclose(target_distribution(x.astype(np.float32), p),
                                        _full_vocab_distribution(x.astype(np.float32).astype(np.float64), p),
                                        rtol=1e-12, atol=1e-15)
+
+
+def test_top_k_keeps_exactly_k_on_ties():
+    """Top-k keeps exactly k candidates when logits tie at the k-th place (llama.cpp's own top-k
+    decides which of the tied tokens stay); the rest of the chain then sees those k only."""
+    from blockspec.runtime.llama.topk import top_k_ids
+
+    x = np.zeros(1000, dtype=np.float32)
+    x[[3, 500, 999]] = 2.0  # three clear winners, then 997 tokens tied at 0
+    for k in (1, 3, 5, 40):
+        ids = top_k_ids(x, k)
+        assert len(ids) == k and len(set(ids.tolist())) == k
+        assert set(ids[:min(k, 3)].tolist()) <= {3, 500, 999}
+        p = target_distribution(x, SamplingParams(temperature=1.0, top_k=k, top_p=1.0, min_p=0.0))
+        assert np.count_nonzero(p) == k and set(np.flatnonzero(p).tolist()) == set(ids.tolist())

@@ -41,22 +41,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from blockspec.runtime.errors import BlockspecError
+from blockspec.runtime.llama.target import installed_build
 
 TOOL = "llama-speculative-simple"
-
-
-def installed_build() -> dict:
-    """The installed wheel's build stamp (key, flags, patches) written by ggml_patches/build.py."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("llama_cpp")
-    if spec is None or not spec.submodule_search_locations:
-        return {}
-    stamp = Path(list(spec.submodule_search_locations)[0]) / "blockspec_build.json"
-    try:
-        return json.loads(stamp.read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 def tools_bin_dir() -> Path | None:

@@ -21,6 +21,9 @@ Per method and temperature (sums over the prompts that method completed):
   and above 64 rows the CPU kernels are not batch invariant (patch 0004), so the first logits can
   differ in the last bits; compare llama.cpp-plain's entry to tell that from a speculation effect;
 - accept_hist[k]: target passes that accepted k drafted tokens;
+- kernels: the CPU kernels the row ran on: batch-invariant (patch 0004, our engine: a row's logits do
+  not depend on its batch, which makes verification bit-exact) or upstream (llama.cpp's defaults:
+  upstream's tools and plain-upstream-kernels);
 - acceptance: the rule used (greedy at T = 0; at T > 0 rejection, drafts from the drafter's own
   distribution, or match, deterministic drafts; upstream's tools sample-and-match).
 """
@@ -55,6 +58,7 @@ class Method:
     shipped: str | None = None  # the shipped drafter used without --drafter (default: `base`'s)
     auto: bool = False  # --block-size auto: each step's depth from measured costs (runtime/engine/policy.py)
     acceptance: str = "rejection"  # T > 0: SamplingParams.acceptance (the rule used is in each row)
+    upstream_kernels: bool = False  # ours, in a process on upstream's default CPU kernels (bench/worker.py)
 
 
 # The one place a method name is parsed. `-tree` variants branch (ngram: merged matches; specblock:
@@ -67,6 +71,9 @@ class Method:
 # is engine against engine; llama.cpp-ngram-default keeps upstream's defaults.
 METHODS: dict[str, Method] = {
     "plain": Method("plain"),
+    # our plain decoding on upstream's default kernels (GGML_BATCH_INVARIANT=0): against `plain`, what
+    # the batch-invariant kernels that make verification bit-exact cost one-row decoding
+    "plain-upstream-kernels": Method("plain", upstream_kernels=True),
     "ngram": Method("ngram"),
     "ngram-tree": Method("ngram", branches=3),
     "ngram-auto": Method("ngram", auto=True),
@@ -224,6 +231,27 @@ def _ours(target, drafter, tokens, max_tokens, sampling) -> tuple[Record, list[i
                   list(s.accept_hist), acceptance=s.acceptance), g.tokens
 
 
+def _ours_upstream_kernels(target, drafter, tokens, max_tokens, sampling) -> tuple[Record, list[int]]:
+    """Plain decoding in a worker process with GGML_BATCH_INVARIANT=0 (bench/worker.py)."""
+    import subprocess
+    import sys
+
+    assert drafter is None, "only plain runs on upstream's kernels"
+    spec = dict(model=str(target.path), tokens=list(tokens), max_tokens=max_tokens,
+                sampling=dataclasses.asdict(sampling), n_ctx=target.n_ctx, threads=target.n_threads)
+    env = {**os.environ, "GGML_BATCH_INVARIANT": "0"}
+    r = subprocess.run([sys.executable, "-m", "blockspec.runtime.bench.worker"], input=json.dumps(spec),
+                       capture_output=True, text=True, env=env, timeout=120 + 5.0 * max_tokens)
+    if r.returncode != 0:
+        why = (r.stderr.strip().splitlines() or [f"exit status {r.returncode}"])[-1]
+        raise BlockspecError(f"worker process failed: {why}")
+    g = json.loads(r.stdout.strip().splitlines()[-1])
+    s = g["stats"]
+    gen_s = g["n_tokens"] / s["tokens_per_s"] if s["tokens_per_s"] > 0 else 0.0
+    return Record(g["n_tokens"], gen_s, s["tau"] * s["target_passes"], s["target_passes"], s["draft_s"],
+                  s["verify_s"], list(s["accept_hist"]), acceptance=s["acceptance"]), g["tokens"]
+
+
 def _lossless_text(plain_text: str, plain_finished_by_length: bool, text: str) -> bool:
     return text.startswith(plain_text) if plain_finished_by_length else text == plain_text
 
@@ -237,7 +265,8 @@ def _summarize(name: str, temp: float, recs: dict[int, Record], plain: dict[int,
                error: str | None) -> dict:
     run = {"method": name, "temperature": temp, "n_prompts": len(recs), "n_tokens": 0, "tau": None,
            "tokens_per_s": None, "speedup_vs_plain": None, "draft_fraction": None, "draft_cost": None,
-           "lossless": None, "accept_hist": [], "acceptance": None}
+           "lossless": None, "accept_hist": [], "acceptance": None,
+           "kernels": "upstream" if name.startswith("llama.cpp-") or METHODS[name].upstream_kernels else "batch-invariant"}
     if error:
         run["error"] = error
     if not recs:
@@ -273,7 +302,8 @@ def machine_info(threads: int, model: Path) -> dict:
     import importlib.metadata as md
     import sys
 
-    from blockspec.runtime.bench.peers import installed_build, tools_bin_dir
+    from blockspec.runtime.bench.peers import tools_bin_dir
+    from blockspec.runtime.llama.target import installed_build
 
     cpu = platform.processor() or "unknown"
     try:
@@ -403,8 +433,9 @@ def run_bench(prompts: str, *, methods: str | Sequence[str] = "plain,ngram",
                                     rec.same_as_plain = _lossless_text(plain_text, len(plain_tokens) >= max_tokens,
                                                                        res.text)
                             else:
-                                rec, out = _ours(target, drafters.get(n), tok, max_tokens,
-                                                 dataclasses.replace(sampling, acceptance=m.acceptance))
+                                run = _ours_upstream_kernels if m.upstream_kernels else _ours
+                                rec, out = run(target, drafters.get(n), tok, max_tokens,
+                                               dataclasses.replace(sampling, acceptance=m.acceptance))
                                 if n == "plain":
                                     plain_tokens, plain_text = out, target.detokenize(out)
                                     rec.same_as_plain = True

@@ -15,6 +15,8 @@ from typing import Sequence
 
 import numpy as np
 
+from blockspec.runtime.llama.topk import top_k_ids
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -66,23 +68,23 @@ def penalize(logits: np.ndarray, history: Sequence[int], p: SamplingParams) -> n
 
 
 def target_distribution(logits: np.ndarray, p: SamplingParams, history: Sequence[int] = ()) -> np.ndarray:
-    """[n_vocab] float64 probabilities the target samples from (one-hot when greedy).
+    """[n_vocab] float64 probabilities the target samples from (one-hot when greedy). The logits
+    stay float32, as llama.cpp's samplers see them, through the penalty and top-k.
 
     Everything after top-k works on top-k's candidates only (all tokens when top-k is off),
     kept in id order so ties break as over the whole vocabulary: a full-vocabulary sort per
     token cost ~3 ms (a sixth of a SmolLM2 token)."""
-    x = penalize(np.asarray(logits, dtype=np.float64), history, p)
+    x = penalize(np.asarray(logits, dtype=np.float32), history, p)
     n = x.shape[0]
     if p.greedy:
         out = np.zeros(n)
         out[int(np.argmax(x))] = 1.0
         return out
     if 0 < p.top_k < n:
-        kth = np.partition(x, n - p.top_k)[n - p.top_k]
-        cand = np.flatnonzero(x >= kth)
+        cand = np.sort(top_k_ids(x, p.top_k))  # exactly k, ties at the k-th place as llama.cpp breaks them
     else:
         cand = np.arange(n)
-    xc = x[cand]
+    xc = x[cand].astype(np.float64)
     keep = np.ones(len(cand), dtype=bool)
     if p.top_p < 1.0 or p.min_p > 0.0:
         q = np.exp(xc - xc.max())

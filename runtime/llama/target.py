@@ -12,6 +12,7 @@ import ctypes
 import os
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -365,16 +366,31 @@ class Target:
         return self.logits_row(-1)
 
 
-PROBE_BATCHES = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 63)
+def installed_build() -> dict:
+    """The installed wheel's build stamp (key, flags, patches) written by ggml_patches/build.py."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or not spec.submodule_search_locations:
+        return {}
+    stamp = Path(list(spec.submodule_search_locations)[0]) / "blockspec_build.json"
+    try:
+        return json.loads(stamp.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+PROBE_MAX = 63  # patch 0004: batches under 64 rows take the batch-invariant kernels
 
 
 def probe_exact_batch_limit(t: Target) -> int:
-    """Decode a fixed text one token at a time, then in batches of each size in
-    PROBE_BATCHES; return the largest size (and every smaller one) whose logit rows are
-    bit-identical to the one-at-a-time rows. Clears the cache."""
+    """Decode a fixed text one token at a time, then in batches of every size 2..PROBE_MAX (a tree
+    may have any number of nodes); return the largest size n such that every batch of up to n
+    rows gives logit rows bit-identical to the one-at-a-time rows. Clears the cache."""
     text = ("The quick brown fox jumps over the lazy dog while the cat sleeps on a warm mat. " * 8)
     toks = t.tokenize(text)
-    prefix, rest = toks[:8], toks[8:8 + min(max(PROBE_BATCHES), t.n_ctx - 9)]
+    prefix, rest = toks[:8], toks[8:8 + min(PROBE_MAX, t.n_ctx - 9)]
     t.clear()
     t.prefill(prefix)
     ref = []
@@ -382,7 +398,7 @@ def probe_exact_batch_limit(t: Target) -> int:
         t.decode([tok], [len(prefix) + i])
         ref.append(t.logits_row(-1))
     limit = 1
-    for n in PROBE_BATCHES:
+    for n in range(2, PROBE_MAX + 1):
         if n > len(rest) or n > t.config.n_batch:
             break
         t.clear()
@@ -401,7 +417,8 @@ def _cached_exact_batch_limit(t: Target) -> int:
     from blockspec.runtime.format.modelfile import cache_dir
 
     st = t.path.stat()
-    key = "|".join(map(str, [t.path.resolve(), st.st_size, int(st.st_mtime), system_info(), t.n_threads,
+    key = "|".join(map(str, [t.path.resolve(), st.st_size, int(st.st_mtime), installed_build().get("key"),
+                             PROBE_MAX, system_info(), t.n_threads,
                              t.config.flash_attn, safe_extra_bufts(), t.config.n_gpu_layers,
                              os.environ.get("GGML_BATCH_INVARIANT")]))
     path = cache_dir() / "exact_batch_limit.json"

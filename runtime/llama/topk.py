@@ -1,0 +1,45 @@
+"""llama.cpp's own top-k, for the sampler chain (runtime/engine/sampling.py).
+
+Top-k keeps exactly k candidates; where logits tie at the k-th place, which of the tied tokens stay
+is whatever llama.cpp's partial sort leaves, so the chain asks llama.cpp itself (its top-k sampler
+applied to the candidates in id order, as its samplers see them) instead of reimplementing the sort.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import numpy as np
+
+# llama_token_data {int32 id; float logit; float p}, as llama.h lays it out
+_TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
+_samplers: dict[int, int] = {}
+_lock = threading.Lock()
+
+
+def _sampler(k: int):
+    from llama_cpp import llama_cpp
+
+    with _lock:
+        if k not in _samplers:
+            _samplers[k] = llama_cpp.llama_sampler_init_top_k(k)
+        return _samplers[k]
+
+
+def top_k_ids(logits: np.ndarray, k: int) -> np.ndarray:
+    """Token ids llama.cpp's top-k sampler keeps from float32 `logits` [n_vocab], best first."""
+    from llama_cpp import llama_cpp
+
+    x = np.asarray(logits, dtype=np.float32)
+    n = x.shape[0]
+    if not 0 < k < n:
+        return np.argsort(-x, kind="stable")
+    data = np.empty(n, dtype=_TOKEN_DATA)
+    data["id"] = np.arange(n, dtype=np.int32)
+    data["logit"] = x
+    data["p"] = 0.0
+    arr = llama_cpp.llama_token_data_array(
+        data=data.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)), size=n, selected=-1, sorted=False)
+    llama_cpp.llama_sampler_apply(_sampler(k), ctypes.byref(arr))
+    return data["id"][:arr.size].copy()
