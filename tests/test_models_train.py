@@ -6,6 +6,8 @@ import json
 import numpy as np
 import pytest
 
+from blockspec.runtime.errors import BlockspecError
+
 torch = pytest.importorskip("torch")
 
 from blockspec.models import data, target as tgt  # noqa: E402
@@ -78,7 +80,19 @@ def test_overfit_checkpoint_resume(tiny, tmp_path, method, extra):
     cfg2 = TrainConfig(**{**cfg.__dict__, "steps": 70})
     train(cfg2, target=target, progress=False)
     assert json.loads((tmp_path / method / "drafter.json").read_text())["step"] == 70
-    del before, model
+    # fine-tune: --init starts a new run from the checkpoint's shape and weights, at step 0
+    ft = TrainConfig(**{**cfg.__dict__, "steps": 5, "out": str(tmp_path / "ft"), "init": str(tmp_path / method),
+                        "n_layer": 3, "lr": 1e-9, "warmup": 0, "min_lr": 1e-9})
+    res_ft = train(ft, target=target, progress=False)
+    tuned, meta_ft = load_drafter(tmp_path / "ft", target)
+    assert meta_ft["step"] == 5 and meta_ft["model_args"] == json.loads(
+        (tmp_path / method / "drafter.json").read_text())["model_args"]  # n_layer=3 ignored: the init's shape
+    assert res_ft["accept"] > 0.5, res_ft  # kept what the init learnt (a tiny learning rate)
+    bad = TrainConfig(**{**ft.__dict__, "method": "dblast" if method == "specblock" else "specblock",
+                         "out": str(tmp_path / "bad")})
+    with pytest.raises(BlockspecError, match="drafter, not"):
+        train(bad, target=target, progress=False)
+    del before, model, tuned
 
 
 def test_no_target_features_baseline_is_worse(tiny, tmp_path):
