@@ -129,8 +129,9 @@ class TorchDrafter(BlockDrafter):
         """Target id of each draft id (None: the drafter drafts over the target's vocabulary)."""
         if not self.args.draft_vocab_size:
             return None
-        torch = _torch()
-        return self.model.vocab.to_target(torch.arange(self.args.draft_vocab_size)).numpy()
+        if getattr(self, "_d2t_ids", None) is None:  # once: propose asks every step
+            self._d2t_ids = self.model.vocab.d2t.numpy().copy()
+        return self._d2t_ids
 
     @classmethod
     def load(cls, path: str | os.PathLike, **options) -> "TorchDrafter":

@@ -15,6 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
+from blockspec.runtime.errors import BlockspecError
 from blockspec.runtime.llama.topk import top_k_ids
 
 
@@ -34,7 +35,7 @@ class SamplingParams:
 
     def __post_init__(self):
         if self.acceptance not in ACCEPTANCE:
-            raise ValueError(f"acceptance must be one of {', '.join(ACCEPTANCE)}, not {self.acceptance!r}")
+            raise BlockspecError(f"acceptance must be one of {', '.join(ACCEPTANCE)}, not {self.acceptance!r}")
 
     @property
     def greedy(self) -> bool:

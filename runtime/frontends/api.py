@@ -7,8 +7,7 @@ from typing import Callable
 from blockspec.runtime.engine.setup import default_method, open_speculative
 from blockspec.runtime.engine.generate import Generation, generate
 from blockspec.runtime.llama.prompt import prompt_tokens
-from blockspec.runtime.engine.sampling import ACCEPTANCE, SamplingParams
-from blockspec.runtime.errors import BlockspecError
+from blockspec.runtime.engine.sampling import SamplingParams
 
 
 def run_generate(prompt: str, *, model: str | None = None, method: str | None = None, drafter: str | None = None,
@@ -17,8 +16,6 @@ def run_generate(prompt: str, *, model: str | None = None, method: str | None = 
                  repeat_penalty: float = 1.0, seed: int | None = None, raw: bool = False, system: str | None = None,
                  n_ctx: int = 4096, verbose: bool = False, on_text: Callable[[str], None] | None = None,
                  acceptance: str = "rejection") -> Generation:
-    if acceptance not in ACCEPTANCE:
-        raise BlockspecError(f"acceptance must be one of {', '.join(ACCEPTANCE)}, not {acceptance!r}")
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                               repeat_penalty=repeat_penalty, seed=seed, acceptance=acceptance)
     method = method or default_method(model, drafter)

@@ -27,7 +27,7 @@ from blockspec.runtime.engine.setup import default_method, open_speculative
 from blockspec.runtime.errors import BlockspecError
 from blockspec.runtime.engine.generate import Stats, generate_stream
 from blockspec.runtime.llama.prompt import chat_tokens
-from blockspec.runtime.engine.sampling import ACCEPTANCE, SamplingParams
+from blockspec.runtime.engine.sampling import SamplingParams
 
 
 class StopText:
@@ -88,9 +88,7 @@ class SpeculativeLlama:
                  n_ctx: int = 4096, n_gpu_layers: int = -1, seed: int | None = None, verbose: bool = False,
                  n_threads: int | None = None, block_size: int = 4, branches: int = 1,
                  drafter_backend: str | None = None, n_batch: int = 512, acceptance: str = "rejection"):
-        if acceptance not in ACCEPTANCE:
-            raise BlockspecError(f"acceptance must be one of {', '.join(ACCEPTANCE)}, not {acceptance!r}")
-        self.acceptance = acceptance
+        self.acceptance = SamplingParams(acceptance=acceptance).acceptance  # checked before the model loads
         self.method = method or default_method(model_path, drafter_path)
         self.target, self.drafter = open_speculative(
             model_path, self.method, drafter_path, drafter_backend, block_size=block_size, branches=branches,
