@@ -58,7 +58,8 @@ def test_sampling_is_reproducible_and_respects_filters(smollm2):
 
 def test_target_distribution_matches_manual_chain():
     rng = np.random.default_rng(0)
-    logits = rng.normal(size=50) * 3
+    # float32, as llama.cpp hands logits to its samplers (target_distribution keeps them so)
+    logits = (rng.normal(size=50) * 3).astype(np.float32).astype(np.float64)
     p = SamplingParams(temperature=0.7, top_k=10, top_p=0.8, min_p=0.0)
     probs = target_distribution(logits, p)
     # by hand: top-10 by logit, then the smallest top-p prefix of their softmax, then temperature
