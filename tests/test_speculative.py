@@ -110,7 +110,10 @@ def test_tree_node_logits_equal_path_alone(target):
     a, b, c, d = target.tokenize(" lists are mutable while tuples", add_special=False)[:4]
     tree = DraftTree.from_paths(prompt[-1], [[a, b, c], [a, d], [c, b], [d]])
     n_past = len(prompt) - 1
-    logits, _, _ = verify_tree(target, tree, n_past)
+    logits, _, _, n_seqs = verify_tree(target, tree, n_past)
+    assert n_seqs == len(tree.leaves())
+    # the one-copy read of all rows is the per-row read, in batch order
+    np.testing.assert_array_equal(logits, np.stack([target.logits_row(i) for i in range(len(tree))]))
     for leaf in [i for i in tree.leaves()]:
         path = tree.path(leaf)
         target.clear()

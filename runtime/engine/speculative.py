@@ -34,35 +34,43 @@ def acceptance_rule(sampling: SamplingParams, drafter) -> str:
 def verify_tree(target, tree: DraftTree, n_past: int, taps: tuple[int, ...] = ()):
     """Decode the whole tree in one batch with the root at position n_past.
 
-    Returns (logits [n_nodes, n_vocab], {layer: [n_nodes, n_embd]} taps, seq ids per node).
-    Leaves i get sequence ids 1..L that see the prefix (seq 0) through seq_cp; the caller
-    must `commit_tree` or `discard_tree` afterwards.
+    Returns (logits [n_nodes, n_vocab], {layer: [n_nodes, n_embd]} taps, seq ids per node,
+    number of leaf sequences). A chain (one leaf) is decoded in the main sequence itself, as
+    upstream's speculative-simple does; a tree's leaves i get sequence ids 1..L that see the
+    prefix (seq 0) through seq_cp. The caller must `commit_tree` or `discard_tree` afterwards.
     """
-    ids, leaves = tree.seq_ids(base=MAIN_SEQ + 1)
-    for s in range(1, len(leaves) + 1):
+    leaves = tree.leaves()
+    n_seqs = len(leaves) if len(leaves) > 1 else 0
+    ids, _ = tree.seq_ids(base=MAIN_SEQ + 1 if n_seqs else MAIN_SEQ)
+    for s in range(1, n_seqs + 1):
         target.copy_seq(MAIN_SEQ, s, 0, n_past)
-    ids[0] = [MAIN_SEQ] + ids[0]  # the root is committed whatever is accepted
+    if n_seqs:
+        ids[0] = [MAIN_SEQ] + ids[0]  # the root is committed whatever is accepted
     depths = tree.depths()
     target.decode(tree.tokens, [n_past + d for d in depths], ids, [True] * len(tree))
-    logits = np.stack([target.logits_row(i) for i in range(len(tree))])
+    logits = target.logits_rows(len(tree))
     feats = {lid: target.tap(lid) for lid in taps}
-    return logits, feats, ids
+    return logits, feats, ids, n_seqs
 
 
-def commit_tree(target, ids: list[list[int]], n_leaves: int, n_past: int, verdict: Verdict) -> None:
-    """Keep root + accepted path in the main sequence, drop every other tree cell, and pack
-    the accepted cells next to the root so the cache is laid out exactly as a chain's."""
+def commit_tree(target, ids: list[list[int]], n_seqs: int, n_past: int, verdict: Verdict) -> None:
+    """Keep root + accepted path in the main sequence and drop every other tree cell. A chain
+    only trims its rejected tail; a tree's accepted cells are packed next to the root, so the
+    cache is laid out exactly as a chain's."""
+    if not n_seqs:
+        target.remove(MAIN_SEQ, n_past + 1 + len(verdict.accepted), -1)
+        return
     if verdict.accepted:
         winner = ids[verdict.accepted[-1]][0]  # a leaf id below the last accepted node
         target.copy_seq(winner, MAIN_SEQ, n_past + 1, n_past + 1 + len(verdict.accepted))
-    for s in range(1, n_leaves + 1):
+    for s in range(1, n_seqs + 1):
         target.remove(s, -1, -1)
     if verdict.accepted:
         target.pack_tail(MAIN_SEQ, n_past + 1)
 
 
-def discard_tree(target, n_leaves: int, n_past: int) -> None:
-    for s in range(1, n_leaves + 1):
+def discard_tree(target, n_seqs: int, n_past: int) -> None:
+    for s in range(1, n_seqs + 1):
         target.remove(s, -1, -1)
     target.remove(MAIN_SEQ, n_past, -1)
 
@@ -92,16 +100,16 @@ def speculative_steps(s) -> Iterator[list[int]]:
         # every node takes a KV cell: near the end of the context keep the nodes that fit (at
         # least the root, which generate_stream's budget guarantees a cell)
         tree = tree.prefix(min(len(tree), t.exact_batch_limit, t.config.n_batch, t.n_ctx - n_past))
-        n_leaves = len(tree.leaves())
+        n_seqs = len(tree.leaves())  # an upper bound until verify_tree says (a chain uses none)
         committed = False
         try:
-            logits, feats, ids = verify_tree(t, tree, n_past, d.target_layers)
+            logits, feats, ids, n_seqs = verify_tree(t, tree, n_past, d.target_layers)
             verdict = accept(tree, logits, s.sampling, s.rng, s.tokens)
-            commit_tree(t, ids, n_leaves, n_past, verdict)
+            commit_tree(t, ids, n_seqs, n_past, verdict)
             committed = True
         finally:
             if not committed:
-                discard_tree(t, n_leaves, n_past)
+                discard_tree(t, n_seqs, n_past)
         t2 = time.perf_counter()
         s.stats.verify_s += t2 - t1
         if policy is not None:

@@ -312,6 +312,14 @@ class Target:
             raise RuntimeError(f"no logits for output row {i}")
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
 
+    def logits_rows(self, n: int) -> np.ndarray:
+        """[n, n_vocab] logits of the last decode's n requested rows, in batch order: one copy
+        (llama_get_logits puts the rows back in batch order first)."""
+        ptr = _raw().llama_get_logits(self._ctx)
+        if not ptr:
+            raise RuntimeError("no logits from the last decode")
+        return np.ctypeslib.as_array(ptr, shape=(n, self.n_vocab)).copy()
+
     # ---------------------------------------------------------------- batch invariance
     @property
     def exact_batch_limit(self) -> int:
