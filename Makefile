@@ -172,3 +172,33 @@ bench-qwen: bench-tools
 	$(VENV)/bin/blockspec bench --model qwen2.5-coder-1.5b --prompts humaneval,mtbench --n-prompts 2 \
 		--methods plain,ngram,llama.cpp-plain,llama.cpp-ngram,llama.cpp-draft --drafter llama.cpp-draft=qwen2.5-coder-0.5b \
 		--temperatures 0 --max-tokens 128 --json $(BENCH_QWEN_OUT).json --plot $(BENCH_QWEN_OUT).png
+
+# ------------------------------------------------------------------------------------------ BlockPilot
+# `make blockpilot`: labels for the shipped SpecBlock and DBlast (the runtime answering training prompts
+# -- ShareGPT and stdlib code, evaluation prompts dropped -- plainly and at every block size 1..4
+# drafted tokens, the most both drafters draft; 64 new tokens each, greedy, one thread), then a pilot
+# of each input kind trained on each label set, and the BLOCKPILOT_FEATURES one converted next to its
+# drafter as models/drafters/<drafter stem>.blockpilot.gguf, where `--block-size pilot` (and `auto`'s
+# acceptance prior) finds it by the drafter's path. The recipe names the drafter paths, not their
+# contents: after retraining a drafter, delete $(TRAIN_DIR)/blockpilot-labels-<method> and rerun (a
+# label dir resumes only with the drafter file, target and settings it was started with).
+BLOCKPILOT_PROMPTS ?= 200
+BLOCKPILOT_FEATURES ?= softmax_summary
+BLOCKPILOT_LABEL ?= measured
+BLOCKPILOT_DRAFTERS = specblock dblast
+.PHONY: blockpilot blockpilot-labels
+blockpilot-labels: setup
+	mkdir -p $(TRAIN_DIR)
+	for d in $(BLOCKPILOT_DRAFTERS); do \
+		BLOCKSPEC_THREADS=1 OMP_NUM_THREADS=1 $(TRAIN) blockpilot-labels --target $(SMOLLM2) --method $$d \
+			--drafter $(DRAFTERS_DIR)/smollm2-135m-$$d.q8_0.gguf --prompts sharegpt,pycode \
+			--n-prompts $(BLOCKPILOT_PROMPTS) --max-tokens 64 --threads 1 \
+			--out $(TRAIN_DIR)/blockpilot-labels-$$d >> $(TRAIN_DIR)/blockpilot-labels-$$d.log 2>&1 || exit 1; done
+blockpilot: blockpilot-labels
+	for d in $(BLOCKPILOT_DRAFTERS); do \
+		for f in softmax_summary raw; do \
+			OMP_NUM_THREADS=1 $(TRAIN) blockpilot --labels $(TRAIN_DIR)/blockpilot-labels-$$d --feature-kind $$f \
+				--label $(BLOCKPILOT_LABEL) --threads 1 --out $(TRAIN_DIR)/blockpilot-$$d-$$f \
+				> $(TRAIN_DIR)/blockpilot-$$d-$$f.json 2> $(TRAIN_DIR)/blockpilot-$$d-$$f.log || exit 1; done; \
+		$(VENV)/bin/blockspec convert blockpilot $(TRAIN_DIR)/blockpilot-$$d-$(BLOCKPILOT_FEATURES) \
+			$(DRAFTERS_DIR)/smollm2-135m-$$d.q8_0.blockpilot.gguf || exit 1; done

@@ -23,11 +23,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--ctx", type=int, default=128)
+    ap.add_argument("--sizes", default="1,2,3,4,5,6,8,12,16", help="row counts (1 first: the ratios' base)")
     a = ap.parse_args(argv)
 
     from blockspec.runtime.llama.target import open_target
 
-    sizes = [1, 2, 3, 4, 5, 6, 8, 12, 16]
+    sizes = [int(n) for n in a.sizes.split(",")]
     with open_target(a.model, n_ctx=1024, n_seq_max=1, n_threads=a.threads) as t:
         ctx = [t.bos if t.bos is not None and t.bos >= 0 else 1] + [(17 * i) % 1000 + 100 for i in range(a.ctx - 1)]
         t.clear()

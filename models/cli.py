@@ -160,3 +160,55 @@ def eval_cmd(drafter, data, target, batches):
     from .train import evaluate_drafter
 
     click.echo(json.dumps(evaluate_drafter(drafter, data, target, n_batches=batches)))
+
+
+@train.command("blockpilot-labels")
+@click.option("--target", required=True, type=click.Path(exists=True), help="target GGUF")
+@click.option("--method", type=click.Choice(["specblock", "dblast"]), default="specblock", show_default=True,
+              help="drafter method whose block size the pilot will choose")
+@click.option("--drafter", default=None, type=click.Path(exists=True),
+              help="drafter GGUF [default: the one shipped for --method]")
+@click.option("--prompts", "sources", default="sharegpt,pycode", show_default=True,
+              help="comma-separated: sharegpt, chitchat, pycode, or JSONL files (evaluation prompts are dropped)")
+@click.option("--n-prompts", default=200, show_default=True, help="prompts to label over the whole run")
+@click.option("--out", required=True, type=click.Path(), help="label dir (resumed if present)")
+@click.option("--max-tokens", default=64, show_default=True, help="new tokens per generation")
+@click.option("--max-prompt", default=256, show_default=True, help="skip prompts longer than this (tokens)")
+@click.option("--block-sizes", default="", help="candidate drafted-token counts, comma-separated "
+              "[default: 1..the drafter's trained block]")
+@click.option("--temperature", default=0.0, show_default=True, help="0 = greedy")
+@click.option("--seed", default=0, show_default=True, help="T > 0: prompt i is sampled with seed + i")
+@click.option("--shard-size", default=16, show_default=True, help="prompts per shard")
+@click.option("--threads", default=1, show_default=True, help="llama.cpp threads")
+def blockpilot_labels_cmd(target, drafter, sources, out, **opts):
+    """BlockPilot labels: the runtime at every candidate block size per training prompt (tau,
+    tokens/s, step costs, accepted lengths) and the prefill's last-token logits (resumable)."""
+    from .blockpilot_data import LabelConfig, run_labels
+
+    summary = run_labels(target, drafter, [s for s in sources.split(",") if s], out, LabelConfig(**opts))
+    click.echo(json.dumps(summary))
+
+
+@train.command("blockpilot")
+@click.option("--labels", required=True, type=click.Path(exists=True), help="label dir (`train blockpilot-labels`)")
+@click.option("--out", required=True, type=click.Path(), help="checkpoint dir (for `blockspec convert blockpilot`)")
+@click.option("--feature-kind", type=click.Choice(["softmax_summary", "raw"]), default="softmax_summary",
+              show_default=True, help="input: top-k summary of the prefill's last-token softmax, or the softmax itself")
+@click.option("--label", type=click.Choice(["measured", "modelled"]), default="measured", show_default=True,
+              help="best b by measured tokens/s, or by tau over the label set's mean step cost")
+@click.option("--hidden-dim", default=0, show_default=True,
+              help="0: 128 (summary); raw: the widest that keeps the GGUF under 20 MB")
+@click.option("--n-layer", default=2, show_default=True, help="hidden layers")
+@click.option("--top-k", default=8, show_default=True, help="summary: log-probs summarised")
+@click.option("--epochs", default=400, show_default=True, help="full-batch steps")
+@click.option("--lr", default=3e-3, show_default=True, help="AdamW learning rate")
+@click.option("--weight-decay", default=1e-2, show_default=True, help="AdamW weight decay")
+@click.option("--accept-weight", default=1.0, show_default=True, help="weight of the acceptance head's loss")
+@click.option("--heldout-frac", default=0.2, show_default=True, help="share of prompts held out (seeded)")
+@click.option("--seed", default=0, show_default=True, help="split and init seed")
+@click.option("--threads", default=1, show_default=True, help="torch threads")
+def blockpilot_cmd(**opts):
+    """Train BlockPilot on a label dir; prints the held-out accuracy and regret report."""
+    from .blockpilot_train import PilotTrainConfig, train_blockpilot
+
+    click.echo(json.dumps(train_blockpilot(PilotTrainConfig(**opts))))

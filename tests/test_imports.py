@@ -15,7 +15,7 @@ FOLDERS = {"runtime": "blockspec.runtime", "models": "blockspec.models", "conver
 # The tools that drive llama.cpp or register commands (training data engine, parity reference,
 # the train/convert CLIs) stand with the front ends.
 TOP = ("blockspec.models.cli", "blockspec.models.data_engine", "blockspec.models.parity",
-       "blockspec.converters.cli")
+       "blockspec.models.blockpilot_data", "blockspec.models.blockpilot_train", "blockspec.converters.cli")
 LAYERS = [
     ("format/errors", ("blockspec.runtime.errors", "blockspec.runtime.format")),
     ("models/converters", ("blockspec.models", "blockspec.converters")),

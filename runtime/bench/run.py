@@ -25,7 +25,10 @@ Per method and temperature (sums over the prompts that method completed):
   not depend on its batch, which makes verification bit-exact) or upstream (llama.cpp's defaults:
   upstream's tools and plain-upstream-kernels);
 - acceptance: the rule used (greedy at T = 0; at T > 0 rejection, drafts from the drafter's own
-  distribution, or match, deterministic drafts; upstream's tools sample-and-match).
+  distribution, or match, deterministic drafts; upstream's tools sample-and-match);
+- block_sizes (the `-pilot` rows): the block size BlockPilot chose for each prompt, in prompt order
+  (null where the prompt did not run), and pilot_accept: its predicted per-token acceptance for each
+  prompt (the `-pilot-auto` rows too, where it is the depth policy's prior).
 """
 
 from __future__ import annotations
@@ -59,12 +62,16 @@ class Method:
     auto: bool = False  # --block-size auto: each step's depth from measured costs (runtime/engine/policy.py)
     acceptance: str = "rejection"  # T > 0: SamplingParams.acceptance (the rule used is in each row)
     upstream_kernels: bool = False  # ours, in a process on upstream's default CPU kernels (bench/worker.py)
+    pilot: bool = False  # BlockPilot (runtime/engine/pilot.py): the request's block size, or with auto its prior
 
 
 # The one place a method name is parsed. `-tree` variants branch (ngram: merged matches; specblock:
 # rank-head tree of up to block_size * branches nodes; dblast: one branch per category, the most
 # likely under the block's prior, on the ggml backend);
 # `-auto` variants draft a chain whose depth a measured cost model picks each step (0: plain);
+# `-pilot` variants draft the block size BlockPilot picks per prompt from the prefill's logits (the
+# pilot shipped next to the drafter); `-pilot-auto`: the per-step policy with BlockPilot's predicted
+# acceptance as its prior (plain `-auto` keeps the 1/2 prior, even when a pilot is shipped);
 # `-match` variants keep deterministic drafts at T > 0 (sample-and-match; the others draw their drafts
 # from the drafter's own distribution and accept by rejection sampling).
 # llama.cpp-ngram uses our ngram's settings (3-token lookup, block_size drafted) so the comparison
@@ -81,9 +88,13 @@ METHODS: dict[str, Method] = {
     "specblock-tree": Method("specblock", branches=4, needs_drafter=True),
     "specblock-auto": Method("specblock", needs_drafter=True, auto=True),
     "specblock-match": Method("specblock", needs_drafter=True, acceptance="match"),
+    "specblock-pilot": Method("specblock", needs_drafter=True, pilot=True),
+    "specblock-pilot-auto": Method("specblock", needs_drafter=True, auto=True, pilot=True),
     "dblast": Method("dblast", needs_drafter=True),
     "dblast-match": Method("dblast", needs_drafter=True, acceptance="match"),
     "dblast-tree": Method("dblast", branches=4, needs_drafter=True),
+    "dblast-pilot": Method("dblast", needs_drafter=True, pilot=True),
+    "dblast-pilot-auto": Method("dblast", needs_drafter=True, auto=True, pilot=True),
     # plain DFlash (one category, q/k norm): the weights llama.cpp-dflash runs in upstream's engine
     "dblast-kz1": Method("dblast", needs_drafter=True, shipped="dblast-kz1"),
     "dblast-kz1-auto": Method("dblast", needs_drafter=True, shipped="dblast-kz1", auto=True),
@@ -216,6 +227,8 @@ class Record:
     hist: list[int] = field(default_factory=list)
     same_as_plain: bool | None = None
     acceptance: str | None = None  # the rule used (Stats.acceptance; peers: upstream's sample-and-match)
+    block_size: int | None = None  # BlockPilot's choice for this prompt (Stats.block_size)
+    pilot_accept: float | None = None  # BlockPilot's predicted acceptance (Stats.pilot_accept)
 
 
 def _ours(target, drafter, tokens, max_tokens, sampling) -> tuple[Record, list[int]]:
@@ -228,7 +241,8 @@ def _ours(target, drafter, tokens, max_tokens, sampling) -> tuple[Record, list[i
     s = g.stats
     gen_s = g.n_tokens / s.tokens_per_s if s.tokens_per_s > 0 else 0.0
     return Record(g.n_tokens, gen_s, s.tau * s.target_passes, s.target_passes, s.draft_s, s.verify_s,
-                  list(s.accept_hist), acceptance=s.acceptance), g.tokens
+                  list(s.accept_hist), acceptance=s.acceptance, block_size=s.block_size,
+                  pilot_accept=s.pilot_accept), g.tokens
 
 
 def _ours_upstream_kernels(target, drafter, tokens, max_tokens, sampling) -> tuple[Record, list[int]]:
@@ -262,7 +276,7 @@ def _add_hist(a: list[int], b: list[int]) -> list[int]:
 
 
 def _summarize(name: str, temp: float, recs: dict[int, Record], plain: dict[int, Record],
-               error: str | None) -> dict:
+               error: str | None, n_prompts: int = 0) -> dict:
     run = {"method": name, "temperature": temp, "n_prompts": len(recs), "n_tokens": 0, "tau": None,
            "tokens_per_s": None, "speedup_vs_plain": None, "draft_fraction": None, "draft_cost": None,
            "lossless": None, "accept_hist": [], "acceptance": None,
@@ -295,6 +309,10 @@ def _summarize(name: str, temp: float, recs: dict[int, Record], plain: dict[int,
         hist = _add_hist(hist, r.hist)
     run["accept_hist"] = hist
     run["acceptance"] = "/".join(sorted({r.acceptance for r in recs.values() if r.acceptance})) or None
+    if METHODS[name].pilot:
+        n = max([n_prompts, *[i + 1 for i in recs]])
+        run["block_sizes"] = [recs[i].block_size if i in recs else None for i in range(n)]
+        run["pilot_accept"] = [recs[i].pilot_accept if i in recs else None for i in range(n)]
     return run
 
 
@@ -341,7 +359,8 @@ def run_bench(prompts: str, *, methods: str | Sequence[str] = "plain,ngram",
 
     from blockspec.converters.upstream_dflash import cached_export
     from blockspec.runtime.bench import peers as bench_peers
-    from blockspec.runtime.engine.setup import make_drafter, open_target_for, shipped_drafter
+    from blockspec.runtime.engine.pilot import pilot_path_for
+    from blockspec.runtime.engine.setup import NO_PILOT, make_drafter, open_target_for, shipped_drafter
     from blockspec.runtime.format.modelfile import resolve_model
     from blockspec.runtime.llama.prompt import chat_tokens, render_chat
     from blockspec.runtime.engine.sampling import SamplingParams
@@ -371,8 +390,12 @@ def run_bench(prompts: str, *, methods: str | Sequence[str] = "plain,ngram",
                 errors[n] = str(e)
         elif m.base not in ("plain", "peer"):
             try:
-                drafters[n] = make_drafter(m.base, path, block_size="auto" if m.auto else block_size,
-                                           branches=m.branches)
+                bs = "auto" if m.auto else "pilot" if m.pilot else block_size
+                drafters[n] = make_drafter(m.base, path, block_size=bs, branches=m.branches,
+                                           blockpilot=None if m.pilot else NO_PILOT)
+                if m.pilot and getattr(drafters[n], "pilot", None) is None:  # -pilot-auto: auto finds none
+                    del drafters[n]
+                    errors[n] = f"no BlockPilot for drafter {path} (looked for {pilot_path_for(path)})"
             except BlockspecError as e:
                 errors[n] = str(e)
     tool = None
@@ -454,7 +477,7 @@ def run_bench(prompts: str, *, methods: str | Sequence[str] = "plain,ngram",
     for temp in temps:
         for n in names:
             err = errors.get(n) or run_errors.get((n, temp))
-            runs.append(_summarize(n, temp, records[(n, temp)], records[("plain", temp)], err))
+            runs.append(_summarize(n, temp, records[(n, temp)], records[("plain", temp)], err, len(messages)))
     result = {"runs": runs, "machine": machine,
               "settings": {"prompts": prompts, "n_prompts": len(messages), "max_tokens": max_tokens,
                            "block_size": block_size, "n_ctx": n_ctx, "seed": seed,

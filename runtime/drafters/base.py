@@ -88,6 +88,17 @@ class BlockDrafter(Drafter):
         self._context(x, start)
         self.tokens.extend(int(t) for t in tokens)
 
+    def set_block_size(self, n: int) -> int:
+        """Draft n tokens per block from now on, clipped to 1..n_predict (the most the drafter was
+        trained to draft); BlockPilot's per-request choice (runtime/engine/pilot.py). Returns the size
+        set. A tree keeps its node budget, a chain's budget is its block."""
+        self.block_size = max(1, min(int(n), int(self.n_predict)))
+        self._resized()
+        return self.block_size
+
+    def _resized(self) -> None:
+        """Recompute what depends on block_size (node budgets)."""
+
     def _context(self, x: np.ndarray, start: int) -> None:
         raise NotImplementedError
 

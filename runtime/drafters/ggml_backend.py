@@ -278,6 +278,10 @@ class GgmlSpecBlockDrafter(GgmlBlockDrafter):
         self.max_nodes = max(1, max_nodes) if tree else self.block_size
         self.max_leaves = self.max_nodes if tree else 1
 
+    def _resized(self) -> None:
+        if not self.tree:
+            self.max_nodes = self.block_size
+
     def block_outputs(self, history: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """(draft logits [K, Vd], rank logits [K, n_buckets]) of the block rooted at history[-1]."""
         t = self._anchor(history)
@@ -333,6 +337,9 @@ class GgmlDFlashDrafter(GgmlBlockDrafter):
         self.branches = max(1, min(int(branches), self.n_categories))
         self.max_nodes = self.block_size * self.branches
         self.max_leaves = self.branches
+
+    def _resized(self) -> None:
+        self.max_nodes = self.block_size * self.branches
 
     @staticmethod
     def block_predicts(header: dict) -> int:

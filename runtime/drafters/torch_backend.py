@@ -66,7 +66,7 @@ class TorchDrafter(BlockDrafter):
         self.path = str(path)
         self.name = self.args.model_type
         self.target_layers = tuple(int(lid) for lid in self.args.target_layers)
-        n_predict = int(self.args.n_predict)
+        self.n_predict = n_predict = int(self.args.n_predict)
         # --block-size caps the drafted tokens per block; the checkpoint fixes the most it can draft
         self.block_size = n_predict if block_size is None else max(1, min(int(block_size), n_predict))
         super().__init__()
@@ -155,6 +155,10 @@ class SpecBlockDrafter(TorchDrafter):
         self.max_nodes = max(1, max_nodes) if tree else self.block_size
         self.max_leaves = self.max_nodes if tree else 1
 
+    def _resized(self) -> None:
+        if not self.tree:
+            self.max_nodes = self.block_size
+
     def propose(self, history: Sequence[int], sampler=None) -> DraftTree:
         torch = _torch()
         anchors, last = self._block_inputs(history)
@@ -188,6 +192,9 @@ class DBlastDrafter(TorchDrafter):
         self.generator = _torch().Generator().manual_seed(seed)
         self.max_nodes = self.block_size * self.branches
         self.max_leaves = self.branches
+
+    def _resized(self) -> None:
+        self.max_nodes = self.block_size * self.branches
 
     def propose(self, history: Sequence[int], sampler=None) -> DraftTree:
         torch = _torch()

@@ -35,6 +35,8 @@ class Stats:
     accept_hist: list[int] = field(default_factory=list)  # [k] = passes that accepted k drafted tokens
     prefill_s: float = 0.0
     prompt_tokens: int = 0
+    block_size: int | None = None  # drafted tokens per block BlockPilot chose for this request (else None)
+    pilot_accept: float | None = None  # BlockPilot's predicted per-token acceptance (None: no pilot)
 
     def record_pass(self, n_accepted: int) -> None:
         if len(self.accept_hist) <= n_accepted:
@@ -166,6 +168,9 @@ def generate_stream(target, prompt: Sequence[int], *, max_tokens: int = 256,
     except BaseException:
         target.clear()  # an interrupted prefill leaves an unknown cache: start afresh next time
         raise
+    pilot = getattr(drafter, "pilot", None)
+    if pilot is not None:  # runtime/engine/pilot.py: this request's block size from the prefill's logits
+        pilot.apply(drafter, logits, stats)  # (its time counts as prefill)
     stats.prefill_s = time.perf_counter() - t0
     state = StepState(target, prompt, logits, sampling, make_rng(sampling.seed), stats, drafter)
     steps = plain_steps if drafter is None else speculative_steps

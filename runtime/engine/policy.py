@@ -20,8 +20,9 @@ Estimates, all running (they follow the text and the machine):
 - D: exponential average of the measured draft time;
 - P(>= j) = c_1 * ... * c_j, where c_i, the chance that drafted token i is accepted once tokens
   1..i-1 were, comes from decayed counts of the steps that reached token i (prior: one
-  pseudo-try at 1/2); a depth never reached takes the deepest estimated c (the drafter is
-  assumed to keep its quality, so the policy tries deeper when the measured depths pay).
+  pseudo-try at `prior`, 1/2 unless BlockPilot predicted this request's acceptance after its
+  prefill: runtime/engine/pilot.py); a depth never reached takes the deepest estimated c (the
+  drafter is assumed to keep its quality, so the policy tries deeper when the measured depths pay).
 While plain steps win, every `explore`-th step still drafts at full depth, so the acceptance
 estimate can recover when the text becomes predictable.
 """
@@ -39,6 +40,7 @@ class DepthPolicy:
             raise ValueError("max_depth must be >= 1")
         self.max_depth = max_depth
         self.explore = explore
+        self.prior = 0.5                       # c before any measurement (one pseudo-try); BlockPilot sets it
         self.verify_s: dict[int, float] = {}   # rows -> average seconds of a target pass
         self.draft_s: float | None = None
         self.tries = [0.0] * (max_depth + 1)   # [j]: decayed steps that reached drafted token j
@@ -49,10 +51,10 @@ class DepthPolicy:
     # ------------------------------------------------------------------ estimates
     def p_accept(self, j: int) -> float:
         """P(the first j drafted tokens are all accepted)."""
-        p, c = 1.0, 0.5
+        p, c = 1.0, self.prior
         for i in range(1, j + 1):
             if self.tries[i] > 0:
-                c = (self.hits[i] + 0.5) / (self.tries[i] + 1.0)
+                c = (self.hits[i] + self.prior) / (self.tries[i] + 1.0)
             p *= c
         return p
 

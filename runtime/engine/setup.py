@@ -55,24 +55,55 @@ AUTO_NGRAM_DEPTH = 6  # the deepest n-gram draft `--block-size auto` considers
 
 
 def parse_block_size(value) -> int | str:
-    """`--block-size`: a positive number of drafted tokens, or "auto" (runtime/engine/policy.py)."""
+    """`--block-size`: a positive number of drafted tokens, "auto" (runtime/engine/policy.py) or
+    "pilot" (runtime/engine/pilot.py)."""
     from blockspec.runtime.errors import BlockspecError
 
-    if str(value).strip().lower() == "auto":
-        return "auto"
+    if str(value).strip().lower() in ("auto", "pilot"):
+        return str(value).strip().lower()
     try:
         n = int(value)
     except (TypeError, ValueError):
         n = 0
     if n < 1:
-        raise BlockspecError(f"--block-size {value!r}: expected a number of tokens >= 1, or auto")
+        raise BlockspecError(f"--block-size {value!r}: expected a number of tokens >= 1, auto or pilot")
     return n
 
 
+NO_PILOT = "none"  # `--blockpilot none`: auto without the pilot shipped next to the drafter
+
+
+def _attach_pilot(d, block_size: str, blockpilot: str | None) -> None:
+    """Give drafter `d` its BlockPilot (`d.pilot`): `blockpilot` names the GGUF, or None for the one
+    next to the drafter. `pilot` requires one; `auto` uses one when there is one."""
+    from blockspec.runtime.engine.pilot import Pilot, find_blockpilot, pilot_path_for
+    from blockspec.runtime.errors import BlockspecError
+
+    if blockpilot == NO_PILOT:
+        if block_size == "pilot":
+            raise BlockspecError("--block-size pilot needs a BlockPilot (--blockpilot none turns it off)")
+        return
+    path = blockpilot or (find_blockpilot(getattr(d, "path", None)) if d is not None else None)
+    if path is None:
+        if block_size == "pilot":
+            if d is None or not getattr(d, "path", None):
+                raise BlockspecError("--block-size pilot needs a model drafter (specblock or dblast)")
+            raise BlockspecError(f"--block-size pilot: no BlockPilot for drafter {d.path} (looked for "
+                                 f"{pilot_path_for(d.path)}; train one with `make blockpilot` or pass --blockpilot)")
+        return
+    if d is None or not hasattr(d, "set_block_size"):
+        raise BlockspecError("a BlockPilot needs a model drafter (specblock or dblast)")
+    d.pilot = Pilot(path, d)
+
+
 def make_drafter(method: str, drafter_path: str | None = None, backend: str | None = None,
-                 block_size: int | str = 4, branches: int = 1) -> Drafter | None:
+                 block_size: int | str = 4, branches: int = 1, blockpilot: str | None = None) -> Drafter | None:
     """The drafter for a `--method` (None for plain decoding). block_size "auto": the drafter's
-    deepest chain, each step's depth chosen by a measured cost model (runtime/engine/policy.py)."""
+    deepest chain, each step's depth chosen by a measured cost model (runtime/engine/policy.py),
+    whose acceptance prior comes from the drafter's BlockPilot when it has one; "pilot": the
+    block size BlockPilot picks for each request after its prefill (runtime/engine/pilot.py).
+    `blockpilot`: the pilot GGUF (None: `<drafter stem>.blockpilot.gguf` next to the drafter;
+    "none": no pilot)."""
     from blockspec.runtime.errors import BlockspecError
 
     block_size = parse_block_size(block_size)
@@ -84,6 +115,12 @@ def make_drafter(method: str, drafter_path: str | None = None, backend: str | No
         d = make_drafter(method, drafter_path, backend, AUTO_NGRAM_DEPTH if method == "ngram" else 10 ** 6)
         if d is not None:
             d.policy = DepthPolicy(d.block_size)
+            if method != "ngram":
+                _attach_pilot(d, "auto", blockpilot)
+        return d
+    if block_size == "pilot":
+        d = make_drafter(method, drafter_path, backend, 10 ** 6, branches)  # sized per request by the pilot
+        _attach_pilot(d, "pilot", blockpilot)
         return d
     if method == "plain":
         return None
@@ -126,8 +163,9 @@ def open_target_for(model_path, drafters, **config):
 
 
 def open_speculative(model_path, method: str, drafter_path: str | None = None, backend: str | None = None,
-                     block_size: int | str = 4, branches: int = 1, **config):
+                     block_size: int | str = 4, branches: int = 1, blockpilot: str | None = None, **config):
     """(target, drafter) for a `--method`: the drafter first (a bad drafter fails before the target
     loads), then the target opened for it. `config` goes to `open_target`."""
-    drafter = make_drafter(method, drafter_path, backend, block_size=block_size, branches=branches)
+    drafter = make_drafter(method, drafter_path, backend, block_size=block_size, branches=branches,
+                           blockpilot=blockpilot)
     return open_target_for(model_path, [drafter], **config), drafter

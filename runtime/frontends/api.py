@@ -15,12 +15,14 @@ def run_generate(prompt: str, *, model: str | None = None, method: str | None = 
                  temperature: float = 0.0, top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05,
                  repeat_penalty: float = 1.0, seed: int | None = None, raw: bool = False, system: str | None = None,
                  n_ctx: int = 4096, verbose: bool = False, on_text: Callable[[str], None] | None = None,
-                 acceptance: str = "rejection") -> Generation:
+                 acceptance: str = "rejection", blockpilot: str | None = None) -> Generation:
+    """One completion. block_size: drafted tokens per block, "auto" or "pilot" (BlockPilot picks it
+    per request; `blockpilot` names its GGUF, default: the one next to the drafter)."""
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                               repeat_penalty=repeat_penalty, seed=seed, acceptance=acceptance)
     method = method or default_method(model, drafter)
     target, d = open_speculative(model, method, drafter, drafter_backend, block_size=block_size, branches=branches,
-                                 n_ctx=n_ctx, verbose=verbose)
+                                 blockpilot=blockpilot, n_ctx=n_ctx, verbose=verbose)
     with target:
         tokens = prompt_tokens(target, prompt, raw=raw, system=system)
         return generate(target, tokens, max_tokens=max_tokens, sampling=sampling, drafter=d, on_text=on_text)

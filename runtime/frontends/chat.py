@@ -88,7 +88,8 @@ class _SigintFlag:
 
 
 def run_chat(*, model: str | None = None, drafter: str | None = None, method: str | None = None,
-             drafter_backend: str | None = None, block_size: int = 4, temperature: float = 0.2,
+             drafter_backend: str | None = None, block_size: int | str = 4, blockpilot: str | None = None,
+             temperature: float = 0.2,
              acceptance: str = "rejection",
              system: str | None = None, max_tokens: int | None = 1024, n_ctx: int = 4096, seed: int | None = None,
              verbose: bool = False, stdin: TextIO | None = None, out: TextIO | None = None,
@@ -97,7 +98,7 @@ def run_chat(*, model: str | None = None, drafter: str | None = None, method: st
 
     stdin, out, err = stdin or sys.stdin, out or sys.stdout, err or sys.stderr
     llm = SpeculativeLlama(model, drafter_path=drafter, method=method, drafter_backend=drafter_backend,
-                           block_size=block_size, n_ctx=n_ctx, seed=seed, verbose=verbose, acceptance=acceptance)
+                           block_size=block_size, blockpilot=blockpilot, n_ctx=n_ctx, seed=seed, verbose=verbose, acceptance=acceptance)
     with llm:
         session = ChatSession(llm, system=system, temperature=temperature, max_tokens=max_tokens)
         err.write(f"blockspec chat: {llm.target.path.name}, method {llm.method}. {HELP}\n")

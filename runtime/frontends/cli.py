@@ -12,7 +12,7 @@ import sys
 
 import click
 
-from blockspec.runtime.frontends.cli_apps import ACCEPTANCE, ACCEPTANCE_HELP
+from blockspec.runtime.frontends.cli_apps import ACCEPTANCE, ACCEPTANCE_HELP, BLOCK_SIZE_HELP, BLOCKPILOT_HELP
 
 
 class _Group(click.Group):
@@ -41,8 +41,8 @@ def cli():
 @click.option("--drafter", "drafter", default=None, help="drafter checkpoint (GGUF or torch checkpoint dir)")
 @click.option("--drafter-backend", type=click.Choice(["torch", "ggml"]), default=None,
               help="where a model drafter runs [default: ggml for a GGUF drafter]")
-@click.option("--block-size", default="4", show_default=True,
-              help="drafted tokens per block, or auto: each step's depth from measured costs")
+@click.option("--block-size", default="4", show_default=True, help=BLOCK_SIZE_HELP)
+@click.option("--blockpilot", default=None, help=BLOCKPILOT_HELP)
 @click.option("--branches", type=int, default=1, show_default=True, help="tree branches (ngram: matches merged)")
 @click.option("--max-tokens", type=int, default=256, show_default=True, help="new tokens at most")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy")
@@ -64,7 +64,7 @@ def cli():
 @click.option("--verbose", is_flag=True, help="show llama.cpp's log")
 @click.option("--compare-plain", is_flag=True, help="then decode the same prompt plainly and print the speedup "
               "(and, greedy, whether the outputs are identical)")
-def generate(prompt, model, method, drafter, drafter_backend, block_size, branches, max_tokens, temperature, top_k, top_p,
+def generate(prompt, model, method, drafter, drafter_backend, block_size, blockpilot, branches, max_tokens, temperature, top_k, top_p,
              min_p, repeat_penalty, seed, acceptance, raw, system, n_ctx, as_json, verbose, compare_plain):
     """Generate a completion for PROMPT."""
     from blockspec.runtime.frontends.api import run_generate
@@ -77,7 +77,7 @@ def generate(prompt, model, method, drafter, drafter_backend, block_size, branch
                   min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, raw=raw, system=system, n_ctx=n_ctx,
                   verbose=verbose)
     gen = run_generate(prompt, method=method, drafter=drafter, drafter_backend=drafter_backend,
-                       block_size=block_size, branches=branches, on_text=None if as_json else stream,
+                       block_size=block_size, blockpilot=blockpilot, branches=branches, on_text=None if as_json else stream,
                        acceptance=acceptance, **common)
     if as_json:
         click.echo(json.dumps(gen.to_json()))

@@ -10,6 +10,11 @@ from blockspec.runtime.engine.sampling import ACCEPTANCE
 _METHOD_HELP = "drafter method: plain, ngram, ... [default: the --drafter's method, else plain]"
 ACCEPTANCE_HELP = ("T > 0 with a drafter: rejection (drafts drawn from the drafter's own distribution) or match "
                    "(deterministic drafts; output equals plain decoding's for the same seed)")
+BLOCK_SIZE_HELP = ("drafted tokens per block (at most the drafter's trained block), auto: each step's depth from "
+                   "measured costs, or pilot: one size per request chosen by BlockPilot from the prefill's last-token "
+                   "distribution")
+BLOCKPILOT_HELP = ("BlockPilot GGUF for --block-size pilot (and the acceptance prior of auto) [default: "
+                   "<drafter stem>.blockpilot.gguf next to the drafter, when there is one; none: no pilot]")
 
 
 def _model_options(f):
@@ -17,8 +22,8 @@ def _model_options(f):
     f = click.option("--n-ctx", type=int, default=4096, show_default=True, help="target context length (tokens)")(f)
     f = click.option("--acceptance", type=click.Choice(ACCEPTANCE), default=ACCEPTANCE[0], show_default=True,
                      help=ACCEPTANCE_HELP)(f)
-    f = click.option("--block-size", default="4", show_default=True,
-              help="drafted tokens per block, or auto: each step's depth from measured costs")(f)
+    f = click.option("--blockpilot", default=None, help=BLOCKPILOT_HELP)(f)
+    f = click.option("--block-size", default="4", show_default=True, help=BLOCK_SIZE_HELP)(f)
     f = click.option("--drafter-backend", type=click.Choice(["torch", "ggml"]), default=None,
                      help="where a model drafter runs [default: ggml for a GGUF drafter]")(f)
     f = click.option("--method", default=None, help=_METHOD_HELP)(f)
@@ -34,8 +39,8 @@ def _model_options(f):
 @click.option("--system", default=None, help="system message")
 @click.option("--max-tokens", type=int, default=1024, show_default=True, help="per answer (<= 0: up to the context)")
 @click.option("--seed", type=int, default=None, help="sampling seed [default: random]")
-def chat(model, drafter, method, drafter_backend, block_size, n_ctx, acceptance, verbose, temperature, system, max_tokens,
-         seed):
+def chat(model, drafter, method, drafter_backend, block_size, blockpilot, n_ctx, acceptance, verbose, temperature, system,
+         max_tokens, seed):
     """Interactive chat with streaming answers.
 
     Commands: /reset, /stats, /temp X, /exit (or Ctrl-D). Ctrl-C stops the current
@@ -44,7 +49,7 @@ def chat(model, drafter, method, drafter_backend, block_size, n_ctx, acceptance,
     from blockspec.runtime.frontends.chat import run_chat
 
     run_chat(model=model, drafter=drafter, method=method, drafter_backend=drafter_backend, block_size=block_size,
-             temperature=temperature, system=system, max_tokens=max_tokens, n_ctx=n_ctx, seed=seed, verbose=verbose,
+             blockpilot=blockpilot, temperature=temperature, system=system, max_tokens=max_tokens, n_ctx=n_ctx, seed=seed, verbose=verbose,
              acceptance=acceptance)
 
 
@@ -53,7 +58,8 @@ def chat(model, drafter, method, drafter_backend, block_size, n_ctx, acceptance,
 @click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on")
 @click.option("--port", type=int, default=8000, show_default=True, help="TCP port to listen on")
 @click.option("--model-alias", default=None, help="model id reported by /v1/models [default: the GGUF file name]")
-def serve(model, drafter, method, drafter_backend, block_size, n_ctx, acceptance, verbose, host, port, model_alias):
+def serve(model, drafter, method, drafter_backend, block_size, blockpilot, n_ctx, acceptance, verbose, host, port,
+          model_alias):
     """OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions (SSE streaming
     with "stream": true) and /v1/models.
 
@@ -63,4 +69,4 @@ def serve(model, drafter, method, drafter_backend, block_size, n_ctx, acceptance
     from blockspec.runtime.frontends.server import run_server
 
     run_server(model=model, drafter=drafter, method=method, drafter_backend=drafter_backend, block_size=block_size,
-               n_ctx=n_ctx, verbose=verbose, host=host, port=port, model_alias=model_alias, acceptance=acceptance)
+               blockpilot=blockpilot, n_ctx=n_ctx, verbose=verbose, host=host, port=port, model_alias=model_alias, acceptance=acceptance)

@@ -80,19 +80,23 @@ class SpeculativeLlama:
     method: drafter method (None: the drafter's own method, plain without one; drafters.default_method); "plain" decodes without a drafter.
     seed: default sampling seed; calls without their own seed draw from a generator
     seeded with it, so a sequence of calls is reproducible (None: random).
+    block_size: drafted tokens per block, "auto" (per step, measured costs) or "pilot" (per request,
+    BlockPilot from the prefill's last-token logits; `blockpilot` names its GGUF, default: the one
+    next to the drafter).
 
     See the module docstring for thread safety.
     """
 
     def __init__(self, model_path: str | None = None, drafter_path: str | None = None, method: str | None = None,
                  n_ctx: int = 4096, n_gpu_layers: int = -1, seed: int | None = None, verbose: bool = False,
-                 n_threads: int | None = None, block_size: int = 4, branches: int = 1,
-                 drafter_backend: str | None = None, n_batch: int = 512, acceptance: str = "rejection"):
+                 n_threads: int | None = None, block_size: int | str = 4, branches: int = 1,
+                 drafter_backend: str | None = None, n_batch: int = 512, acceptance: str = "rejection",
+                 blockpilot: str | None = None):
         self.acceptance = SamplingParams(acceptance=acceptance).acceptance  # checked before the model loads
         self.method = method or default_method(model_path, drafter_path)
         self.target, self.drafter = open_speculative(
             model_path, self.method, drafter_path, drafter_backend, block_size=block_size, branches=branches,
-            n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads, n_gpu_layers=n_gpu_layers, verbose=verbose)
+            blockpilot=blockpilot, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads, n_gpu_layers=n_gpu_layers, verbose=verbose)
         self.model_path = str(self.target.path)
         self.n_ctx = self.target.n_ctx
         self.verbose = verbose

@@ -169,7 +169,8 @@ async def _sse(lock: asyncio.Lock, start):
 
 
 def run_server(*, model: str | None = None, drafter: str | None = None, method: str | None = None,
-               drafter_backend: str | None = None, block_size: int = 4, n_ctx: int = 4096, verbose: bool = False,
+               drafter_backend: str | None = None, block_size: int | str = 4, blockpilot: str | None = None,
+               n_ctx: int = 4096, verbose: bool = False,
                acceptance: str = "rejection",
                host: str = "127.0.0.1", port: int = 8000, model_alias: str | None = None) -> None:
     import uvicorn
@@ -177,6 +178,7 @@ def run_server(*, model: str | None = None, drafter: str | None = None, method: 
     from blockspec.runtime.frontends.llama_api import SpeculativeLlama
 
     with SpeculativeLlama(model, drafter_path=drafter, method=method, drafter_backend=drafter_backend,
-                          block_size=block_size, n_ctx=n_ctx, verbose=verbose, acceptance=acceptance) as llm:
+                          block_size=block_size, blockpilot=blockpilot, n_ctx=n_ctx, verbose=verbose,
+                          acceptance=acceptance) as llm:
         app = make_app(llm, model_alias)
         uvicorn.run(app, host=host, port=port, log_level="info" if verbose else "warning")
