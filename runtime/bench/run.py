@@ -82,6 +82,9 @@ METHODS: dict[str, Method] = {
     # the batch-invariant kernels that make verification bit-exact cost one-row decoding
     "plain-upstream-kernels": Method("plain", upstream_kernels=True),
     "ngram": Method("ngram"),
+    # our n-gram on upstream's default kernels: against llama.cpp-ngram, engine against engine with the
+    # same kernels and drafts (the loop's overhead alone); not bit-exact, so not lossless by design
+    "ngram-upstream-kernels": Method("ngram", upstream_kernels=True),
     "ngram-tree": Method("ngram", branches=3),
     "ngram-auto": Method("ngram", auto=True),
     "specblock": Method("specblock", needs_drafter=True),
@@ -246,13 +249,15 @@ def _ours(target, drafter, tokens, max_tokens, sampling) -> tuple[Record, list[i
 
 
 def _ours_upstream_kernels(target, drafter, tokens, max_tokens, sampling) -> tuple[Record, list[int]]:
-    """Plain decoding in a worker process with GGML_BATCH_INVARIANT=0 (bench/worker.py)."""
+    """Plain or n-gram decoding in a worker process with GGML_BATCH_INVARIANT=0 (bench/worker.py)."""
     import subprocess
     import sys
 
-    assert drafter is None, "only plain runs on upstream's kernels"
+    method = "plain" if drafter is None else drafter.name
+    assert method in ("plain", "ngram"), "only plain and n-gram run on upstream's kernels"
     spec = dict(model=str(target.path), tokens=list(tokens), max_tokens=max_tokens,
-                sampling=dataclasses.asdict(sampling), n_ctx=target.n_ctx, threads=target.n_threads)
+                sampling=dataclasses.asdict(sampling), n_ctx=target.n_ctx, threads=target.n_threads,
+                method=method, block_size=getattr(drafter, "block_size", 0))
     env = {**os.environ, "GGML_BATCH_INVARIANT": "0"}
     r = subprocess.run([sys.executable, "-m", "blockspec.runtime.bench.worker"], input=json.dumps(spec),
                        capture_output=True, text=True, env=env, timeout=120 + 5.0 * max_tokens)

@@ -3,7 +3,8 @@
 patch 0004 reads GGML_BATCH_INVARIANT once per process, so `plain-upstream-kernels` (our engine's
 plain decoding on upstream's default CPU kernels) cannot share the bench's target: the bench starts
 
-    python -m blockspec.runtime.bench.worker  < {"model", "tokens", "max_tokens", "sampling", "n_ctx", "threads"}
+    python -m blockspec.runtime.bench.worker  < {"model", "tokens", "max_tokens", "sampling", "n_ctx", "threads",
+                                                "method": "plain" | "ngram", "block_size"}
 
 with the variable set, and reads one JSON line back: the generated tokens and the engine's stats.
 """
@@ -18,11 +19,13 @@ def main() -> None:
     spec = json.loads(sys.stdin.read())
     from blockspec.runtime.engine.generate import generate
     from blockspec.runtime.engine.sampling import SamplingParams
-    from blockspec.runtime.llama.target import open_target
+    from blockspec.runtime.engine.setup import make_drafter, open_target_for
 
-    with open_target(spec["model"], n_ctx=spec["n_ctx"], n_threads=spec["threads"]) as target:
+    method = spec.get("method", "plain")
+    drafter = make_drafter(method, block_size=spec.get("block_size") or 4) if method != "plain" else None
+    with open_target_for(spec["model"], [drafter], n_ctx=spec["n_ctx"], n_threads=spec["threads"]) as target:
         g = generate(target, spec["tokens"], max_tokens=spec["max_tokens"],
-                     sampling=SamplingParams(**spec["sampling"]))
+                     sampling=SamplingParams(**spec["sampling"]), drafter=drafter)
     out = g.to_json()
     del out["text"]
     sys.stdout.write(json.dumps(out) + "\n")
