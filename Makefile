@@ -182,7 +182,7 @@ bench-qwen: bench-tools
 # acceptance prior) finds it by the drafter's path. The recipe names the drafter paths, not their
 # contents: after retraining a drafter, delete $(TRAIN_DIR)/blockpilot-labels-<method> and rerun (a
 # label dir resumes only with the drafter file, target and settings it was started with).
-BLOCKPILOT_PROMPTS ?= 200
+BLOCKPILOT_PROMPTS ?= 160
 BLOCKPILOT_FEATURES ?= softmax_summary
 BLOCKPILOT_LABEL ?= measured
 BLOCKPILOT_DRAFTERS = specblock dblast

@@ -166,3 +166,20 @@ def test_top_k_keeps_exactly_k_on_ties():
         assert set(ids[:min(k, 3)].tolist()) <= {3, 500, 999}
         p = target_distribution(x, SamplingParams(temperature=1.0, top_k=k, top_p=1.0, min_p=0.0))
         assert np.count_nonzero(p) == k and set(np.flatnonzero(p).tolist()) == set(ids.tolist())
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0.8), dict(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0),
+                                    dict(temperature=1.0, top_p=0.5, repeat_penalty=1.3)])
+def test_sample_over_the_support_is_the_dense_draw(params):
+    """Plain decoding samples over the target distribution's support alone (sampling.sample); it
+    must draw, seed for seed, the token the dense inverse CDF (`draw`, used by acceptance) draws."""
+    from blockspec.runtime.engine.sampling import draw, sample
+
+    rs = np.random.default_rng(0)
+    p = SamplingParams(**params)
+    for trial in range(200):
+        x = (rs.standard_normal(4096) * 3).astype(np.float32)
+        x[:64] = np.round(x[:64])  # ties
+        hist = list(rs.integers(0, 4096, 16))
+        assert sample(x, p, np.random.default_rng(trial), hist) == \
+            draw(target_distribution(x, p, hist), np.random.default_rng(trial))

@@ -70,7 +70,15 @@ def penalize(logits: np.ndarray, history: Sequence[int], p: SamplingParams) -> n
 
 def target_distribution(logits: np.ndarray, p: SamplingParams, history: Sequence[int] = ()) -> np.ndarray:
     """[n_vocab] float64 probabilities the target samples from (one-hot when greedy). The logits
-    stay float32, as llama.cpp's samplers see them, through the penalty and top-k.
+    stay float32, as llama.cpp's samplers see them, through the penalty and top-k."""
+    ids, probs = target_support(logits, p, history)
+    out = np.zeros(np.shape(logits)[0])
+    out[ids] = probs
+    return out
+
+
+def target_support(logits: np.ndarray, p: SamplingParams, history: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
+    """The target distribution's support: (token ids [m] ascending, their probabilities [m] float64).
 
     Everything after top-k works on top-k's candidates only (all tokens when top-k is off),
     kept in id order so ties break as over the whole vocabulary: a full-vocabulary sort per
@@ -78,9 +86,7 @@ def target_distribution(logits: np.ndarray, p: SamplingParams, history: Sequence
     x = penalize(np.asarray(logits, dtype=np.float32), history, p)
     n = x.shape[0]
     if p.greedy:
-        out = np.zeros(n)
-        out[int(np.argmax(x))] = 1.0
-        return out
+        return np.array([int(np.argmax(x))]), np.ones(1)
     if 0 < p.top_k < n:
         cand = np.sort(top_k_ids(x, p.top_k))  # exactly k, ties at the k-th place as llama.cpp breaks them
     else:
@@ -102,9 +108,7 @@ def target_distribution(logits: np.ndarray, p: SamplingParams, history: Sequence
             keep &= q >= p.min_p * q.max()
     z = xc[keep] / p.temperature
     e = np.exp(z - z.max())
-    out = np.zeros(n)
-    out[cand[keep]] = e / e.sum()
-    return out
+    return cand[keep], e / e.sum()
 
 
 def draw(probs: np.ndarray, rng: np.random.Generator) -> int:
@@ -115,9 +119,14 @@ def draw(probs: np.ndarray, rng: np.random.Generator) -> int:
 
 
 def sample(logits: np.ndarray, p: SamplingParams, rng: np.random.Generator, history: Sequence[int] = ()) -> int:
+    """= draw(target_distribution(...), rng) token for token, over the support alone: the dense
+    CDF only rises at the support's ids, and adding the zeros between them is exact."""
     if p.greedy:
         return int(np.argmax(penalize(np.asarray(logits), history, p)))
-    return draw(target_distribution(logits, p, history), rng)
+    ids, probs = target_support(logits, p, history)
+    cdf = np.cumsum(probs)
+    u = rng.random() * cdf[-1]
+    return int(ids[min(np.searchsorted(cdf, u, side="right"), len(ids) - 1)])
 
 
 def make_rng(seed: int | None) -> np.random.Generator:

@@ -15,6 +15,7 @@ import numpy as np
 # llama_token_data {int32 id; float logit; float p}, as llama.h lays it out
 _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
 _samplers: dict[int, int] = {}
+_ids: dict[int, np.ndarray] = {}  # n_vocab -> ids 0..n-1 (int32), made once
 _lock = threading.Lock()
 
 
@@ -35,8 +36,10 @@ def top_k_ids(logits: np.ndarray, k: int) -> np.ndarray:
     n = x.shape[0]
     if not 0 < k < n:
         return np.argsort(-x, kind="stable")
-    data = np.empty(n, dtype=_TOKEN_DATA)
-    data["id"] = np.arange(n, dtype=np.int32)
+    if n not in _ids:
+        _ids[n] = np.arange(n, dtype=np.int32)
+    data = np.empty(n, dtype=_TOKEN_DATA)  # (copying a prepared structured array is 4x slower)
+    data["id"] = _ids[n]
     data["logit"] = x
     data["p"] = 0.0
     arr = llama_cpp.llama_token_data_array(
