@@ -96,6 +96,7 @@ METHODS: dict[str, Method] = {
     "dblast": Method("dblast", needs_drafter=True),
     "dblast-match": Method("dblast", needs_drafter=True, acceptance="match"),
     "dblast-tree": Method("dblast", branches=4, needs_drafter=True),
+    "dblast-auto": Method("dblast", needs_drafter=True, auto=True),
     "dblast-pilot": Method("dblast", needs_drafter=True, pilot=True),
     "dblast-pilot-auto": Method("dblast", needs_drafter=True, auto=True, pilot=True),
     # plain DFlash (one category, q/k norm): the weights llama.cpp-dflash runs in upstream's engine
