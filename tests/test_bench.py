@@ -98,6 +98,16 @@ def test_methods_and_drafters_parse():
     with pytest.raises(BlockspecError, match="METHOD=PATH"):
         parse_drafters(["specblock"])
     assert all(m.peer is not None for n, m in METHODS.items() if n.startswith("llama.cpp-"))
+    # a tagged row is its method run again with its own drafter; untagged rows keep theirs
+    from blockspec.runtime.bench.run import _drafter_for, method
+
+    assert parse_methods("specblock,specblock@new,specblock-pilot@new") == [
+        "plain", "specblock", "specblock@new", "specblock-pilot@new"]
+    assert method("specblock-pilot@new") is METHODS["specblock-pilot"]
+    d = parse_drafters(["specblock@new=/new"])
+    assert [_drafter_for(n, d) for n in ("specblock", "specblock@new", "specblock-pilot@new")] == [None, "/new", "/new"]
+    with pytest.raises(BlockspecError, match="unknown bench method 'eagle@x'"):
+        parse_methods("eagle@x")
 
 
 def test_bench_unknown_method_is_one_line():

@@ -184,26 +184,36 @@ def parse_methods(names: str | Sequence[str]) -> list[str]:
     """Method names in run order, plain first (speedups and losslessness are measured against it)."""
     items = [n.strip() for n in (names.split(",") if isinstance(names, str) else names) if n.strip()]
     for n in items:
-        if n not in METHODS:
-            raise BlockspecError(f"unknown bench method {n!r}; available: {', '.join(METHODS)}")
+        if n.partition("@")[0] not in METHODS:
+            raise BlockspecError(f"unknown bench method {n!r}; available: {', '.join(METHODS)} "
+                                 f"(each may carry a tag, METHOD@TAG, to run twice with another --drafter)")
     return ["plain"] + [n for n in dict.fromkeys(items) if n != "plain"]
 
 
+def method(name: str) -> Method:
+    """The Method of a bench row name: METHOD or METHOD@TAG (the same method with its own
+    --drafter, e.g. specblock@new beside specblock: two drafters in one run)."""
+    return METHODS[name.partition("@")[0]]
+
+
 def parse_drafters(items: Sequence[str]) -> dict[str, str]:
-    """--drafter METHOD=PATH pairs; a key may be a base method (specblock=... serves specblock-tree)."""
+    """--drafter METHOD=PATH pairs; a key may be a base method (specblock=... serves specblock-tree)
+    or a tagged row (specblock@new=...; the untagged rows keep the shipped drafter)."""
     out = {}
     for it in items:
         name, sep, path = it.partition("=")
         if not sep or not path:
             raise BlockspecError(f"--drafter {it!r}: expected METHOD=PATH")
-        if name not in METHODS and name not in {m.base for m in METHODS.values()}:
+        if name.partition("@")[0] not in METHODS and name not in {m.base for m in METHODS.values()}:
             raise BlockspecError(f"--drafter {it!r}: unknown method {name!r}")
         out[name] = path
     return out
 
 
 def _drafter_for(name: str, drafters: dict[str, str]) -> str | None:
-    return drafters.get(name) or drafters.get(METHODS[name].base)
+    """The row's own --drafter, else its base method's (a tagged row: the base with the same tag)."""
+    _, at, tag = name.partition("@")
+    return drafters.get(name) or drafters.get(method(name).base + at + tag)
 
 
 def _gguf_path(path: Path) -> str:
@@ -286,7 +296,7 @@ def _summarize(name: str, temp: float, recs: dict[int, Record], plain: dict[int,
     run = {"method": name, "temperature": temp, "n_prompts": len(recs), "n_tokens": 0, "tau": None,
            "tokens_per_s": None, "speedup_vs_plain": None, "draft_fraction": None, "draft_cost": None,
            "lossless": None, "accept_hist": [], "acceptance": None,
-           "kernels": "upstream" if name.startswith("llama.cpp-") or METHODS[name].upstream_kernels else "batch-invariant"}
+           "kernels": "upstream" if name.startswith("llama.cpp-") or method(name).upstream_kernels else "batch-invariant"}
     if error:
         run["error"] = error
     if not recs:
@@ -315,7 +325,7 @@ def _summarize(name: str, temp: float, recs: dict[int, Record], plain: dict[int,
         hist = _add_hist(hist, r.hist)
     run["accept_hist"] = hist
     run["acceptance"] = "/".join(sorted({r.acceptance for r in recs.values() if r.acceptance})) or None
-    if METHODS[name].pilot:
+    if method(name).pilot:
         n = max([n_prompts, *[i + 1 for i in recs]])
         run["block_sizes"] = [recs[i].block_size if i in recs else None for i in range(n)]
         run["pilot_accept"] = [recs[i].pilot_accept if i in recs else None for i in range(n)]
@@ -383,7 +393,7 @@ def run_bench(prompts: str, *, methods: str | Sequence[str] = "plain,ngram",
     errors: dict[str, str] = {}  # method -> why it cannot run at all (one line printed once)
     drafters = {}
     for n in names:
-        m = METHODS[n]
+        m = method(n)
         path = _drafter_for(n, paths) or (shipped_drafter(m.shipped or m.base) if m.needs_drafter else None)
         if m.needs_drafter and not path:
             errors[n] = f"needs --drafter {n}=PATH"
@@ -405,12 +415,12 @@ def run_bench(prompts: str, *, methods: str | Sequence[str] = "plain,ngram",
             except BlockspecError as e:
                 errors[n] = str(e)
     tool = None
-    if any(METHODS[n].base == "peer" and n not in errors for n in names):
+    if any(method(n).base == "peer" and n not in errors for n in names):
         try:
             tool = bench_peers.find_tool()
         except BlockspecError as e:
             for n in names:
-                if METHODS[n].base == "peer":
+                if method(n).base == "peer":
                     errors.setdefault(n, str(e))
     for n, why in errors.items():
         log(f"bench: {n}: {why} (skipped)")
@@ -441,7 +451,7 @@ def run_bench(prompts: str, *, methods: str | Sequence[str] = "plain,ngram",
                     plain_text = ""
                     for n in live:
                         bar.set_postfix_str(f"T={temp:g} prompt {i + 1}/{len(toks)} {n}")
-                        m = METHODS[n]
+                        m = method(n)
                         if (n, temp) in run_errors:
                             bar.update(1)
                             continue
