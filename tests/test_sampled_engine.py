@@ -153,7 +153,9 @@ def test_drafters_sample_from_their_own_laws(setup, method, branches, backend):
     params = SamplingParams(temperature=0.8, seed=1)
     t.clear()
     gen = generate(t, prompt, max_tokens=12, sampling=params, drafter=d)
-    assert gen.stats.acceptance == "rejection" and len(gen.tokens) == 12
+    # the sampled answer may end early (EOS), depending on what the drafter drew
+    assert gen.stats.acceptance == "rejection" and 1 <= len(gen.tokens) <= 12
+    assert gen.finish_reason == "stop" or len(gen.tokens) == 12
     tree = d.propose(prompt + gen.tokens, DraftSampler(params, np.random.default_rng(0)))
     assert len(tree) > 1 and tree.q[0] is None
     for tok, law in zip(tree.tokens[1:], tree.q[1:]):
