@@ -172,29 +172,15 @@ class LabelWriter:
     def flush(self) -> None:
         if not self.pending:
             return
-        from safetensors.numpy import save_file
+        from .data_engine import save_shard
 
         rows, self.pending = self.pending, []
         data = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
-        while (path := self.out / f"{PREFIX}{self.n_shards:05d}.safetensors").exists():
-            self.n_shards += 1
-        tmp = path.with_suffix(".tmp")
-        save_file(data, str(tmp))
-        os.replace(tmp, path)
+        _, self.n_shards = save_shard(self.out, PREFIX, self.n_shards, data)
         self.done.update(int(r["prompt_idx"]) for r in rows)
 
 
 # ------------------------------------------------------------------------------------- the run
-
-def _file_sha(path: Path) -> str:
-    import hashlib
-
-    st = path.stat()
-    h = hashlib.sha256(f"{st.st_size}".encode())
-    with open(path, "rb") as f:
-        h.update(f.read(1 << 20))
-    return h.hexdigest()[:16]
-
 
 def parse_block_sizes(text: str, n_predict: int) -> list[int]:
     """`--block-sizes`: comma-separated drafted-token counts within 1..n_predict ("": all of them)."""
@@ -290,6 +276,8 @@ def run_labels(target_path: str | os.PathLike, drafter_path: str | None, sources
     from blockspec.runtime.engine.sampling import SamplingParams
     from blockspec.runtime.engine.setup import NO_PILOT, make_drafter, open_target_for, shipped_drafter
 
+    from .data_engine import file_sha
+
     if cfg.method not in ("specblock", "dblast"):
         raise BlockspecError(f"--method {cfg.method!r}: BlockPilot labels need a block drafter (specblock or dblast)")
     if cfg.max_tokens < 1 or cfg.n_prompts < 1:
@@ -301,9 +289,9 @@ def run_labels(target_path: str | os.PathLike, drafter_path: str | None, sources
     sizes = parse_block_sizes(cfg.block_sizes, int(drafter.n_predict))
     out = Path(out_dir)
     target = open_target_for(target_path, [drafter], n_ctx=cfg.n_ctx, n_threads=cfg.threads or None)
-    meta = dict(format="blockpilot-labels", target=str(target.path), target_sha=_file_sha(Path(target.path)),
+    meta = dict(format="blockpilot-labels", target=str(target.path), target_sha=file_sha(Path(target.path)),
                 n_vocab=target.n_vocab, drafter=str(drafter_path), drafter_name=Path(drafter_path).name,
-                drafter_sha=_file_sha(Path(drafter_path)), drafter_arch=drafter.name,
+                drafter_sha=file_sha(Path(drafter_path)), drafter_arch=drafter.name,
                 drafter_block_size=int(drafter.n_predict), block_sizes=sizes, sources=list(sources),
                 units="block sizes count drafted tokens (the runtime's --block-size); b axis index 0 = plain",
                 **{k: v for k, v in asdict(cfg).items() if k not in ("threads", "n_prompts", "shard_size",

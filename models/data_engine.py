@@ -171,7 +171,6 @@ class ShardWriter:
     def flush(self) -> None:
         if not self.pending:
             return
-        from safetensors.numpy import save_file
 
         seqs, self.pending = self.pending, []
         data = {key: np.concatenate([s[key] for s in seqs]) for key in ("tokens", "feats", "greedy", "top_ids",
@@ -184,11 +183,7 @@ class ShardWriter:
         if shutil.disk_usage(self.out).free < need:
             raise BlockspecError(f"{self.out}: out of disk ({shutil.disk_usage(self.out).free >> 20} MiB free); "
                                  f"{len(self.shards)} shards kept, rerun to resume")
-        while (path := self.out / f"{self.prefix}{self.n_own:05d}.safetensors").exists():
-            self.n_own += 1
-        tmp = path.with_suffix(".tmp")
-        save_file(data, str(tmp))
-        os.replace(tmp, path)
+        path, self.n_own = save_shard(self.out, self.prefix, self.n_own, data)
         self.shards.append(path)
         self.bytes += path.stat().st_size
         self.done.update(s["prompt_idx"] for s in seqs)
@@ -199,7 +194,21 @@ class ShardWriter:
         return self.bytes
 
 
-def _file_sha(path: Path) -> str:
+def save_shard(out: Path, prefix: str, n: int, data: dict) -> tuple[Path, int]:
+    """Write `data` atomically (tmp + os.replace) as the first free `<prefix>NNNNN.safetensors` at
+    index >= n; returns (path, its index). The feature cache and the BlockPilot labels share it."""
+    from safetensors.numpy import save_file
+
+    while (path := out / f"{prefix}{n:05d}.safetensors").exists():
+        n += 1
+    tmp = path.with_suffix(".tmp")
+    save_file(data, str(tmp))
+    os.replace(tmp, path)
+    return path, n
+
+
+def file_sha(path: Path) -> str:
+    """A cheap identity of a model file (its size and first MiB) for resume checks."""
     import hashlib
 
     st = path.stat()
@@ -230,7 +239,7 @@ def run_engine(target_path: str | os.PathLike, sources: Sequence[str], out_dir: 
         raise BlockspecError(f"{target.path.name}: architecture {target.arch!r} has no layer taps "
                              f"(supported: {', '.join(TAP_ARCHS)})")
     target.enable_taps(layers)
-    meta = dict(format="ragged", target=str(target.path), target_sha=_file_sha(target.path), arch=target.arch,
+    meta = dict(format="ragged", target=str(target.path), target_sha=file_sha(target.path), arch=target.arch,
                 layers=list(layers), dim=target.n_embd, n_layer=target.n_layer, vocab_size=target.n_vocab,
                 sources=list(sources), **{k: v for k, v in asdict(cfg).items() if k not in ("threads", "n_parallel", "worker", "workers")},
                 max_len=n_ctx_seq)
