@@ -54,6 +54,7 @@ class GgmlBlockDrafter(BlockDrafter):
     backend = "ggml"
     share_target = True  # ctx_other = the target's context (its embeddings / head)
     causal = True
+    writable = False  # weights in buffers of their own (no mmap), so set_tensor may rewrite them
 
     def __init__(self, path: str | os.PathLike, block_size: int | None = None, n_ctx: int | None = None,
                  n_threads: int | None = None, kv_type: str = "f16", flash_attn: bool = False):
@@ -97,6 +98,8 @@ class GgmlBlockDrafter(BlockDrafter):
         install_log_callback(False)
         mp = ll.llama_model_default_params()
         mp.n_gpu_layers = -1
+        if self.writable:  # mapped weights would be the file's read-only pages
+            mp.load_mode = ll.LLAMA_LOAD_MODE_NONE
         mp.use_extra_bufts = safe_extra_bufts()
         clear_llama_errors()
         self._model = ll.llama_model_load_from_file(str(path).encode(), mp)
@@ -123,6 +126,80 @@ class GgmlBlockDrafter(BlockDrafter):
             self.close()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
+
+    # ------------------------------------------------------------------ weights in place
+    def make_writable(self) -> None:
+        """Reload the weights into buffers of their own (not the file's read-only mmap), so that
+        `set_tensor` can rewrite them (online adaptation, runtime/engine/adapt.py). The context,
+        if any, is dropped with the old model; the next check_target opens a new one."""
+        if self.writable:
+            return
+        self.writable = True
+        path = self._model_path
+        if path is not None:
+            ll = _raw()
+            if self._ctx is not None:
+                ll.llama_batch_ext_free(self._batch)
+                ll.llama_free(self._ctx)
+                self._ctx = self._batch = None
+            self.tokens = []
+            self._model_path = None
+            self._load(path)
+
+    def _tensor(self, name: str) -> tuple[int, tuple[int, ...], int]:
+        """(element count, torch-order shape, ggml type id) of the drafter's own tensor `name`."""
+        from blockspec.runtime.llama import ext as llama_ext
+
+        ne = (ctypes.c_int64 * 4)()
+        ty = ctypes.c_int32()
+        n = llama_ext.blockspec_model_tensor_info(self._model, name.encode(), ne, ctypes.byref(ty))
+        if n < 0:
+            raise BlockspecError(f"{self.name} drafter {self.path} has no tensor {name!r}")
+        dims = [int(x) for x in ne]
+        while len(dims) > 1 and dims[-1] == 1:
+            dims.pop()
+        return int(n), tuple(reversed(dims)), int(ty.value)
+
+    def get_tensor(self, name: str) -> np.ndarray:
+        """The drafter's weight `name` as float32 in torch order (dequantized); BlockspecError
+        where llama.cpp keeps it in a layout it cannot read back (weights repacked for the CPU)."""
+        from blockspec.runtime.llama import ext as llama_ext
+
+        n, shape, _ = self._tensor(name)
+        out = np.empty(n, dtype=np.float32)
+        rc = llama_ext.blockspec_model_get_tensor(self._model, name.encode(),
+                                                  out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), n)
+        if rc < 0:
+            why = {-3: "its type has no float conversion", -4: "its layout cannot be read back (repacked)"}
+            raise BlockspecError(f"cannot read drafter tensor {name}: {why.get(rc, f'error {rc}')}")
+        return out.reshape(shape)
+
+    def set_tensor(self, name: str, value) -> None:
+        """Write float32 `value` (torch order and shape) into the drafter's weight `name` in place,
+        converted by llama.cpp to the tensor's own type (q8_0, f16, f32, ...). The next pass uses
+        it; nothing is reloaded. Only between passes (the engine calls it between requests)."""
+        from blockspec.runtime.llama import ext as llama_ext
+
+        n, shape, _ = self._tensor(name)
+        x = np.ascontiguousarray(value, dtype=np.float32)
+        if x.size != n or (x.ndim > 1 and tuple(x.shape) != shape):
+            raise BlockspecError(f"drafter tensor {name} has shape {list(shape)}, got {list(x.shape)}")
+        rc = llama_ext.blockspec_model_set_tensor(self._model, name.encode(),
+                                                  x.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), n)
+        if rc < 0:
+            why = {-3: "llama.cpp cannot convert float32 to its type",
+                   -4: "it is in a read-only file mapping (make_writable() first)"}
+            raise BlockspecError(f"cannot write drafter tensor {name}: {why.get(rc, f'error {rc}')}")
+
+    def refresh_context(self) -> None:
+        """Recompute the cached context K/V of every held row from its stored features, after a
+        weight update changed fc / cond_norm / wk / wv. Costs one feature pass over the held rows."""
+        n = len(self.tokens)
+        if self._ctx is None or n == 0:
+            return
+        self._forget(0)
+        for i in range(0, n, self._n_batch):
+            self._process_features(np.ascontiguousarray(self._feats[i:min(n, i + self._n_batch)]), i)
 
     # ------------------------------------------------------------------ target binding
     def check_target(self, target) -> None:

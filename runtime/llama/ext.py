@@ -13,7 +13,7 @@ import ctypes
 from llama_cpp import llama_cpp as _raw
 
 # runtime needs at least this BLOCKSPEC_EXT_ABI level from the library
-REQUIRED_ABI = 3
+REQUIRED_ABI = 4
 
 _lib = _raw._lib
 _ctx_p = _raw.llama_context_p_ctypes
@@ -79,6 +79,25 @@ blockspec_set_branch_z = _bind(
 # void blockspec_set_rank_head(struct llama_context * ctx, bool on);
 # (patch 0008: a SpecBlock chain skips the rank head)
 blockspec_set_rank_head = _bind("blockspec_set_rank_head", [_ctx_p, ctypes.c_bool], None)
+
+
+# int64_t blockspec_model_tensor_info(const struct llama_model * model, const char * name, int64_t * ne, int32_t * type);
+# (patch 0009: a model's own tensor: element count, ne[0..3] and ggml type; -1 unknown name)
+blockspec_model_tensor_info = _bind(
+    "blockspec_model_tensor_info",
+    [_model_p, ctypes.c_char_p, ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int32)], ctypes.c_int64)
+
+# int32_t blockspec_model_set_tensor(const struct llama_model * model, const char * name, const float * data, int64_t n);
+# (patch 0009: write float32 values into a model tensor in place, converted to its type; < 0: nothing changed)
+blockspec_model_set_tensor = _bind(
+    "blockspec_model_set_tensor", [_model_p, ctypes.c_char_p, ctypes.POINTER(ctypes.c_float), ctypes.c_int64],
+    ctypes.c_int32)
+
+# int64_t blockspec_model_get_tensor(const struct llama_model * model, const char * name, float * dst, int64_t n_max);
+# (patch 0009: a model tensor read back as float32, dequantized)
+blockspec_model_get_tensor = _bind(
+    "blockspec_model_get_tensor", [_model_p, ctypes.c_char_p, ctypes.POINTER(ctypes.c_float), ctypes.c_int64],
+    ctypes.c_int64)
 
 
 def check_abi() -> int:
