@@ -37,6 +37,9 @@ class Stats:
     prompt_tokens: int = 0
     block_size: int | None = None  # drafted tokens per block BlockPilot chose for this request (else None)
     pilot_accept: float | None = None  # BlockPilot's predicted per-token acceptance (None: no pilot)
+    # --adapt (runtime/engine/adapt.py), after the request: action (skip|head|full), update_s, signal
+    # (mean per block), blocks, signal_s, and the session's updates {head, full} and update_s_total
+    adapt: dict | None = None
 
     def record_pass(self, n_accepted: int) -> None:
         if len(self.accept_hist) <= n_accepted:
@@ -178,6 +181,10 @@ def generate_stream(target, prompt: Sequence[int], *, max_tokens: int = 256,
     text = Utf8Text(target)
     n_out = 0
     n_eog = 0
+    adapter = getattr(drafter, "adapter", None)  # runtime/engine/adapt.py: --adapt
+    if adapter is not None:
+        adapter.begin_request()
+    ended = False  # the request ran to its end, or its consumer closed it (not an error)
     t_gen = time.perf_counter()
     try:
         for new in steps(state):
@@ -198,6 +205,10 @@ def generate_stream(target, prompt: Sequence[int], *, max_tokens: int = 256,
                 yield new, chunk
             if done:
                 break
+        ended = True
+    except GeneratorExit:
+        ended = True
+        raise
     finally:
         stats.finish(n_out, n_out + n_eog, time.perf_counter() - t_gen)
         # drop rows past the last emitted token (rejected by a stop or the token budget)
@@ -206,6 +217,8 @@ def generate_stream(target, prompt: Sequence[int], *, max_tokens: int = 256,
         target.cached = state.tokens[:keep]
         if drafter is not None:
             drafter.trim(keep)
+        if adapter is not None and ended:  # between requests, off every step: may update the drafter
+            adapter.after_request(state.tokens, stats.prompt_tokens, stats)
 
 
 def generate(target, prompt: Sequence[int], *, max_tokens: int = 256, sampling: SamplingParams = SamplingParams(),

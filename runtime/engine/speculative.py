@@ -82,6 +82,7 @@ def speculative_steps(s) -> Iterator[list[int]]:
     s.stats.record_pass(0)
     yield [bonus]
     policy = getattr(d, "policy", None)  # runtime/engine/policy.py: --block-size auto (chains)
+    adapter = getattr(d, "adapter", None)  # runtime/engine/adapt.py: --adapt's rejection signal
     sampler = DraftSampler(s.sampling, s.rng) if acceptance_rule(s.sampling, d) == "rejection" else None
     while True:
         n_past = len(s.tokens) - 1  # the cache holds tokens[:-1]; the root is tokens[-1]
@@ -117,5 +118,7 @@ def speculative_steps(s) -> Iterator[list[int]]:
         rows = [0, *verdict.accepted]
         d.observe([tree.tokens[i] for i in rows], n_past, {lid: f[rows] for lid, f in feats.items()} or None)
         s.stats.draft_s += time.perf_counter() - t2  # the drafter's own pass over the committed rows
+        if adapter is not None:  # timed by the adapter itself (stats.adapt["signal_s"])
+            adapter.record_block(tree, logits, verdict)
         s.stats.record_pass(len(verdict.accepted))
         yield [tree.tokens[i] for i in verdict.accepted] + [verdict.token]

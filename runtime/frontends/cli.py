@@ -12,7 +12,8 @@ import sys
 
 import click
 
-from blockspec.runtime.frontends.cli_apps import ACCEPTANCE, ACCEPTANCE_HELP, BLOCK_SIZE_HELP, BLOCKPILOT_HELP
+from blockspec.runtime.frontends.cli_apps import (ACCEPTANCE, ACCEPTANCE_HELP, ADAPT_HELP, BLOCK_SIZE_HELP,
+                                                  BLOCKPILOT_HELP)
 
 
 class _Group(click.Group):
@@ -60,12 +61,13 @@ def cli():
 @click.option("--raw", is_flag=True, help="do not apply the GGUF chat template")
 @click.option("--system", default=None, help="system message (chat template only)")
 @click.option("--n-ctx", type=int, default=4096, show_default=True, help="target context length (tokens)")
+@click.option("--adapt", is_flag=True, help=ADAPT_HELP)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of streaming text")
 @click.option("--verbose", is_flag=True, help="show llama.cpp's log")
 @click.option("--compare-plain", is_flag=True, help="then decode the same prompt plainly and print the speedup "
               "(and, greedy, whether the outputs are identical)")
 def generate(prompt, model, method, drafter, drafter_backend, block_size, blockpilot, branches, max_tokens, temperature, top_k, top_p,
-             min_p, repeat_penalty, seed, acceptance, raw, system, n_ctx, as_json, verbose, compare_plain):
+             min_p, repeat_penalty, seed, acceptance, raw, system, n_ctx, adapt, as_json, verbose, compare_plain):
     """Generate a completion for PROMPT."""
     from blockspec.runtime.frontends.api import run_generate
 
@@ -78,7 +80,7 @@ def generate(prompt, model, method, drafter, drafter_backend, block_size, blockp
                   verbose=verbose)
     gen = run_generate(prompt, method=method, drafter=drafter, drafter_backend=drafter_backend,
                        block_size=block_size, blockpilot=blockpilot, branches=branches, on_text=None if as_json else stream,
-                       acceptance=acceptance, **common)
+                       acceptance=acceptance, adapt=adapt, **common)
     if as_json:
         click.echo(json.dumps(gen.to_json()))
     else:
@@ -86,6 +88,10 @@ def generate(prompt, model, method, drafter, drafter_backend, block_size, blockp
         click.echo("")
         click.echo(f"[{s.method}] {gen.n_tokens} tokens, tau {s.tau:.2f}, {s.tokens_per_s:.1f} tok/s, "
                    f"{s.target_passes} target passes, finish: {gen.finish_reason}", err=True)
+        if s.adapt:
+            from blockspec.runtime.frontends.chat import adapt_note
+
+            click.echo(f"[adapt] signal {s.adapt['signal']:.2f} per block{adapt_note(s.adapt)}", err=True)
     if gen.finish_reason == "interrupted":
         click.echo("blockspec: interrupted", err=True)
         sys.exit(130)

@@ -23,6 +23,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from blockspec.runtime.engine.adapt import attach_adapter, check_adapt_method
 from blockspec.runtime.engine.setup import default_method, open_speculative
 from blockspec.runtime.errors import BlockspecError
 from blockspec.runtime.engine.generate import Stats, generate_stream
@@ -83,6 +84,8 @@ class SpeculativeLlama:
     block_size: drafted tokens per block, "auto" (per step, measured costs) or "pilot" (per request,
     BlockPilot from the prefill's last-token logits; `blockpilot` names its GGUF, default: the one
     next to the drafter).
+    adapt: SpecBlock's cost-aware online adaptation (runtime/engine/adapt.py): after each call a
+    bandit may update the drafter (never the target), so output stays what it would be without.
 
     See the module docstring for thread safety.
     """
@@ -91,12 +94,21 @@ class SpeculativeLlama:
                  n_ctx: int = 4096, n_gpu_layers: int = -1, seed: int | None = None, verbose: bool = False,
                  n_threads: int | None = None, block_size: int | str = 4, branches: int = 1,
                  drafter_backend: str | None = None, n_batch: int = 512, acceptance: str = "rejection",
-                 blockpilot: str | None = None):
+                 blockpilot: str | None = None, adapt: bool = False):
         self.acceptance = SamplingParams(acceptance=acceptance).acceptance  # checked before the model loads
         self.method = method or default_method(model_path, drafter_path)
+        if adapt:
+            check_adapt_method(self.method)
         self.target, self.drafter = open_speculative(
             model_path, self.method, drafter_path, drafter_backend, block_size=block_size, branches=branches,
             blockpilot=blockpilot, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads, n_gpu_layers=n_gpu_layers, verbose=verbose)
+        self.adapter = None
+        if adapt:
+            try:
+                self.adapter = attach_adapter(self.drafter, self.target)
+            except BaseException:
+                self.target.close()
+                raise
         self.model_path = str(self.target.path)
         self.n_ctx = self.target.n_ctx
         self.verbose = verbose

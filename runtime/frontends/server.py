@@ -172,13 +172,13 @@ def run_server(*, model: str | None = None, drafter: str | None = None, method: 
                drafter_backend: str | None = None, block_size: int | str = 4, blockpilot: str | None = None,
                n_ctx: int = 4096, verbose: bool = False,
                acceptance: str = "rejection",
-               host: str = "127.0.0.1", port: int = 8000, model_alias: str | None = None) -> None:
+               host: str = "127.0.0.1", port: int = 8000, model_alias: str | None = None, adapt: bool = False) -> None:
     import uvicorn
 
     from blockspec.runtime.frontends.llama_api import SpeculativeLlama
 
     with SpeculativeLlama(model, drafter_path=drafter, method=method, drafter_backend=drafter_backend,
                           block_size=block_size, blockpilot=blockpilot, n_ctx=n_ctx, verbose=verbose,
-                          acceptance=acceptance) as llm:
+                          acceptance=acceptance, adapt=adapt) as llm:
         app = make_app(llm, model_alias)
         uvicorn.run(app, host=host, port=port, log_level="info" if verbose else "warning")
