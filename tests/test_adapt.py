@@ -266,12 +266,14 @@ def test_adapt_refused_for_other_methods(method):
 
 
 def test_attach_refuses_a_drafter_without_specblock(target):
-    with pytest.raises(BlockspecError, match="plain decoding has none to update"):
+    with pytest.raises(BlockspecError, match="ggml backend\\), not plain decoding$"):
         attach_adapter(None, target)
     from blockspec.runtime.engine.setup import make_drafter
 
-    with pytest.raises(BlockspecError, match="--method ngram has none to update"):
+    with pytest.raises(BlockspecError, match="not --method ngram$"):
         attach_adapter(make_drafter("ngram"), target)
+    with pytest.raises(BlockspecError, match=re.escape("not --method specblock (torch backend)")):
+        attach_adapter(make_drafter("specblock", backend="torch"), target)
 
 
 def test_cli_adapt_refused_and_json_stats():
@@ -286,3 +288,16 @@ def test_cli_adapt_refused_and_json_stats():
 
     stats = json.loads(r.stdout)["stats"]
     assert stats["adapt"]["action"] in ("skip", "head", "full") and set(stats["adapt"]["updates"]) == {"head", "full"}
+
+
+def test_api_adapt(smollm2_path):
+    from blockspec.runtime.frontends.llama_api import SpeculativeLlama
+
+    with pytest.raises(BlockspecError, match="needs --method specblock, not plain"):
+        SpeculativeLlama(str(smollm2_path), method="plain", adapt=True)  # refused before anything loads
+    with SpeculativeLlama(str(smollm2_path), method="specblock", adapt=True, n_ctx=512, n_threads=1) as llm:
+        out = llm.create_completion(PROMPTS[3], max_tokens=12, temperature=0.0)
+        assert out["choices"][0]["text"]
+        a = llm.last_stats["adapt"]
+        assert a["action"] in ("skip", "head", "full") and a["blocks"] > 0
+        assert llm.adapter is llm.drafter.adapter

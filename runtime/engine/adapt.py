@@ -351,7 +351,7 @@ def attach_adapter(drafter, target, config: AdaptConfig | None = None) -> Adapte
     if not isinstance(drafter, GgmlSpecBlockDrafter):
         what = "plain decoding" if drafter is None else \
             f"--method {drafter.name}" + (f" ({drafter.backend} backend)" if drafter.backend else "")
-        raise BlockspecError(f"--adapt updates a SpecBlock drafter in llama.cpp (--method specblock with a GGUF "
-                             f"drafter); {what} has none to update")
+        raise BlockspecError(f"--adapt updates a SpecBlock drafter run by llama.cpp (--method specblock with a GGUF "
+                             f"drafter on the ggml backend), not {what}")
     drafter.adapter = Adapter(drafter, target, config)
     return drafter.adapter
