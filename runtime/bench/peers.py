@@ -97,10 +97,12 @@ class PeerResult:
     target_passes: int
     accept_hist: list[int] = field(default_factory=list)
     finish_eos: bool = False
+    drafted: int | None = None  # drafted tokens the tool verified (its n_drafted)
 
 
 _DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
 _N_ACCEPT = re.compile(r"n_accept\s*=\s*(\d+)")
+_N_DRAFTED = re.compile(r"n_drafted\s*=\s*(\d+)")
 _CALLS = re.compile(r"#calls\(b,g,a\)\s*=\s*(\d+)\s+(\d+)\s+(\d+)")
 _RATES = re.compile(r"#acc rate/pos = \(([^)]*)\)")
 
@@ -162,6 +164,7 @@ def run_peer(tool: Path, spec: PeerSpec, *, model: Path, prompt_text: str, echo:
     body = out[len(head):]
     body = body[:-4] if body.endswith(b"\n\n\n\n") else body
     passes = max(1, n_predict - n_accept)
+    drafted = _N_DRAFTED.search(err)
     return PeerResult(text=body.decode("utf-8", "replace"), n_tokens=n_predict, gen_s=secs,
                       tau=n_predict / passes, target_passes=passes, accept_hist=hist,
-                      finish_eos=n_predict <= max_tokens)
+                      finish_eos=n_predict <= max_tokens, drafted=int(drafted.group(1)) if drafted else None)

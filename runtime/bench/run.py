@@ -54,7 +54,7 @@ from blockspec.runtime.errors import BlockspecError
 class Method:
     """One bench method. Ours: a `make_drafter` method with its branching; peers: a `PeerSpec`."""
 
-    base: str  # make_drafter method ("plain", "ngram", "specblock", "dblast") or "peer"
+    base: str  # make_drafter method ("plain", "ngram", "specblock", "dblast", "specblock+ngram", ...) or "peer"
     branches: int = 1
     needs_drafter: bool = False
     peer: PeerSpec | None = None
@@ -99,6 +99,10 @@ METHODS: dict[str, Method] = {
     "dblast-auto": Method("dblast", needs_drafter=True, auto=True),
     "dblast-pilot": Method("dblast", needs_drafter=True, pilot=True),
     "dblast-pilot-auto": Method("dblast", needs_drafter=True, auto=True, pilot=True),
+    # n-gram lookup where the history repeats, the shipped model drafter elsewhere (drafters/ngram.py LookupFirst)
+    "specblock+ngram": Method("specblock+ngram", needs_drafter=True, shipped="specblock"),
+    "specblock+ngram-pilot": Method("specblock+ngram", needs_drafter=True, shipped="specblock", pilot=True),
+    "dblast+ngram": Method("dblast+ngram", needs_drafter=True, shipped="dblast"),
     # plain DFlash (one category, q/k norm): the weights llama.cpp-dflash runs in upstream's engine
     "dblast-kz1": Method("dblast", needs_drafter=True, shipped="dblast-kz1"),
     "dblast-kz1-auto": Method("dblast", needs_drafter=True, shipped="dblast-kz1", auto=True),
@@ -243,6 +247,7 @@ class Record:
     acceptance: str | None = None  # the rule used (Stats.acceptance; peers: upstream's sample-and-match)
     block_size: int | None = None  # BlockPilot's choice for this prompt (Stats.block_size)
     pilot_accept: float | None = None  # BlockPilot's predicted acceptance (Stats.pilot_accept)
+    drafted: int | None = None  # drafted tokens verified (Stats.drafted; peers: the tool's n_drafted)
 
 
 def _ours(target, drafter, tokens, max_tokens, sampling) -> tuple[Record, list[int]]:
@@ -256,7 +261,7 @@ def _ours(target, drafter, tokens, max_tokens, sampling) -> tuple[Record, list[i
     gen_s = g.n_tokens / s.tokens_per_s if s.tokens_per_s > 0 else 0.0
     return Record(g.n_tokens, gen_s, s.tau * s.target_passes, s.target_passes, s.draft_s, s.verify_s,
                   list(s.accept_hist), acceptance=s.acceptance, block_size=s.block_size,
-                  pilot_accept=s.pilot_accept), g.tokens
+                  pilot_accept=s.pilot_accept, drafted=s.drafted), g.tokens
 
 
 def _ours_upstream_kernels(target, drafter, tokens, max_tokens, sampling) -> tuple[Record, list[int]]:
@@ -279,7 +284,7 @@ def _ours_upstream_kernels(target, drafter, tokens, max_tokens, sampling) -> tup
     s = g["stats"]
     gen_s = g["n_tokens"] / s["tokens_per_s"] if s["tokens_per_s"] > 0 else 0.0
     return Record(g["n_tokens"], gen_s, s["tau"] * s["target_passes"], s["target_passes"], s["draft_s"],
-                  s["verify_s"], list(s["accept_hist"]), acceptance=s["acceptance"]), g["tokens"]
+                  s["verify_s"], list(s["accept_hist"]), acceptance=s["acceptance"], drafted=s.get("drafted")), g["tokens"]
 
 
 def _lossless_text(plain_text: str, plain_finished_by_length: bool, text: str) -> bool:
@@ -320,6 +325,9 @@ def _summarize(name: str, temp: float, recs: dict[int, Record], plain: dict[int,
     if temp <= 0:  # unknown (null) where plain itself failed on a prompt
         same = [r.same_as_plain for r in recs.values()]
         run["lossless"] = None if None in same else all(same)
+    if all(r.drafted is not None for r in recs.values()) and passes:
+        # drafted tokens per target pass: how wide the verify batches were, beside how much they accepted
+        run["drafted_per_pass"] = sum(r.drafted for r in recs.values()) / passes
     hist: list[int] = []
     for r in recs.values():
         hist = _add_hist(hist, r.hist)
@@ -465,7 +473,7 @@ def run_bench(prompts: str, *, methods: str | Sequence[str] = "plain,ngram",
                                     block_size=block_size, drafter=_drafter_for(n, paths),
                                     timeout=120 + 5.0 * max_tokens)
                                 rec = Record(res.n_tokens, res.gen_s, res.tau * res.target_passes, res.target_passes,
-                                             hist=res.accept_hist,
+                                             hist=res.accept_hist, drafted=res.drafted,
                                              acceptance=None if n == "llama.cpp-plain" else
                                              "greedy" if temp <= 0 else "match")
                                 if temp <= 0 and i in records[("plain", temp)]:

@@ -58,3 +58,35 @@ class NgramDrafter(Drafter):
             if len(paths) == self.branches:
                 break
         return DraftTree.from_paths(int(h[-1]), paths)
+
+
+class LookupFirst:
+    """A model drafter with n-gram lookup in front (`--method specblock+ngram`, `dblast+ngram`):
+    where the history repeats itself (a match of `min_ngram`+ tokens) the lookup's continuation is
+    drafted, and the model drafter is not run; elsewhere the model drafts. The target's greedy
+    answers repeat spans (code, lists, restated questions) that the lookup continues exactly, while
+    the model covers fresh text, so the two accept on different steps. The choice depends on the
+    history alone, so either rule stays lossless (lookup drafts are deterministic: q is None).
+
+    Everything but `propose`, the name and the block size is the model drafter's: it observes
+    every committed row, as it must, whichever drafted."""
+
+    def __init__(self, model, min_ngram: int = 3):
+        self.model = model
+        self.lookup = NgramDrafter(block_size=model.block_size, min_ngram=min_ngram, max_ngram=min_ngram)
+        self.name = f"{model.name}+ngram"
+        self.lookup_steps = 0  # proposals the lookup made (the rest were the model's)
+
+    def __getattr__(self, attr):  # only reached for what this class does not define
+        return getattr(self.__dict__["model"], attr)
+
+    def set_block_size(self, n: int) -> int:
+        self.lookup.block_size = self.lookup.max_nodes = b = self.model.set_block_size(n)
+        return b
+
+    def propose(self, history: Sequence[int], sampler=None) -> DraftTree:
+        tree = self.lookup.propose(history)
+        if len(tree) > 1:
+            self.lookup_steps += 1
+            return tree
+        return self.model.propose(history, sampler)

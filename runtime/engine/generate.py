@@ -33,6 +33,7 @@ class Stats:
     verify_s: float = 0.0
     draft_fraction: float = 0.0  # draft_s / (draft_s + verify_s)
     accept_hist: list[int] = field(default_factory=list)  # [k] = passes that accepted k drafted tokens
+    drafted: int = 0  # drafted tokens verified over the generation (the verify rows beyond one per pass)
     prefill_s: float = 0.0
     prompt_tokens: int = 0
     block_size: int | None = None  # drafted tokens per block BlockPilot chose for this request (else None)

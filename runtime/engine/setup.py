@@ -4,7 +4,7 @@ the target opened with the sequences that drafter needs (one place for every fro
 from __future__ import annotations
 
 from blockspec.runtime.drafters.base import Drafter
-from blockspec.runtime.drafters.ngram import NgramDrafter
+from blockspec.runtime.drafters.ngram import LookupFirst, NgramDrafter
 
 
 def shipped_drafter(method: str) -> str | None:
@@ -107,6 +107,18 @@ def make_drafter(method: str, drafter_path: str | None = None, backend: str | No
     from blockspec.runtime.errors import BlockspecError
 
     block_size = parse_block_size(block_size)
+    base, plus, extra = method.partition("+")
+    if plus:  # `specblock+ngram`: n-gram lookup first, the model drafter elsewhere
+        if extra != "ngram" or base not in ("specblock", "dblast"):
+            raise BlockspecError(f"unknown method {method!r}: a combined method is specblock+ngram or dblast+ngram")
+        if block_size == "auto":
+            raise BlockspecError(f"--method {method} drafts at a fixed block size or pilot: its depth policy "
+                                 "would mix the lookup's acceptance with the model's (use a number or pilot)")
+        model = make_drafter(base, drafter_path, backend, block_size, branches, blockpilot)
+        d = LookupFirst(model)
+        if getattr(model, "pilot", None) is not None:
+            d.pilot = model.pilot
+        return d
     if block_size == "auto":
         if branches > 1:
             raise BlockspecError("--block-size auto chooses the depth of a chain: use it with --branches 1")
@@ -150,7 +162,7 @@ def make_drafter(method: str, drafter_path: str | None = None, backend: str | No
     raise BlockspecError(f"unknown method {method!r}; available: {', '.join(METHODS)}")
 
 
-METHODS = ("plain", "ngram", "specblock", "dblast")
+METHODS = ("plain", "ngram", "specblock", "dblast", "specblock+ngram", "dblast+ngram")
 
 
 def open_target_for(model_path, drafters, **config):

@@ -121,4 +121,5 @@ def speculative_steps(s) -> Iterator[list[int]]:
         if adapter is not None:  # timed by the adapter itself (stats.adapt["signal_s"])
             adapter.record_block(tree, logits, verdict)
         s.stats.record_pass(len(verdict.accepted))
+        s.stats.drafted += len(tree) - 1
         yield [tree.tokens[i] for i in verdict.accepted] + [verdict.token]

@@ -12,6 +12,7 @@ import sys
 
 import click
 
+from blockspec.runtime.engine.setup import METHODS
 from blockspec.runtime.frontends.cli_apps import (ACCEPTANCE, ACCEPTANCE_HELP, ADAPT_HELP, BLOCK_SIZE_HELP,
                                                   BLOCKPILOT_HELP)
 
@@ -36,7 +37,7 @@ def cli():
 @cli.command()
 @click.argument("prompt")
 @click.option("--model", "model", default=None, help="GGUF path or fetched model name [default: bundled SmolLM2-135M]")
-@click.option("--method", type=click.Choice(["plain", "ngram", "specblock", "dblast"]), default=None,
+@click.option("--method", type=click.Choice(list(METHODS)), default=None,
               help="plain decoding, or a drafter to speculate with (specblock/dblast without --drafter: the "
                    "drafter shipped for the bundled model) [default: the --drafter's method, else plain]")
 @click.option("--drafter", "drafter", default=None, help="drafter checkpoint (GGUF or torch checkpoint dir)")
