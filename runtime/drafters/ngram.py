@@ -69,20 +69,28 @@ class LookupFirst:
     history alone, so either rule stays lossless (lookup drafts are deterministic: q is None).
 
     Everything but `propose`, the name and the block size is the model drafter's: it observes
-    every committed row, as it must, whichever drafted."""
+    every committed row, as it must, whichever drafted. The lookup drafts `block_size` tokens, which
+    may exceed what the model was trained to draft (a GPU verifies 8 or 16 rows for about the cost
+    of one); the model drafts at most its own n_predict."""
 
-    def __init__(self, model, min_ngram: int = 3):
+    def __init__(self, model, block_size: int, min_ngram: int = 3):
         self.model = model
-        self.lookup = NgramDrafter(block_size=model.block_size, min_ngram=min_ngram, max_ngram=min_ngram)
+        self.lookup = NgramDrafter(block_size=block_size, min_ngram=min_ngram, max_ngram=min_ngram)
         self.name = f"{model.name}+ngram"
         self.lookup_steps = 0  # proposals the lookup made (the rest were the model's)
 
     def __getattr__(self, attr):  # only reached for what this class does not define
         return getattr(self.__dict__["model"], attr)
 
+    @property
+    def block_size(self) -> int:
+        return self.lookup.block_size
+
     def set_block_size(self, n: int) -> int:
-        self.lookup.block_size = self.lookup.max_nodes = b = self.model.set_block_size(n)
-        return b
+        """BlockPilot's per-request size: both drafters draft n (the model at most its n_predict)."""
+        self.model.set_block_size(n)
+        self.lookup.block_size = self.lookup.max_nodes = max(1, int(n))
+        return self.lookup.block_size
 
     def propose(self, history: Sequence[int], sampler=None) -> DraftTree:
         tree = self.lookup.propose(history)

@@ -115,7 +115,7 @@ def make_drafter(method: str, drafter_path: str | None = None, backend: str | No
             raise BlockspecError(f"--method {method} drafts at a fixed block size or pilot: its depth policy "
                                  "would mix the lookup's acceptance with the model's (use a number or pilot)")
         model = make_drafter(base, drafter_path, backend, block_size, branches, blockpilot)
-        d = LookupFirst(model)
+        d = LookupFirst(model, model.block_size if block_size == "pilot" else block_size)
         if getattr(model, "pilot", None) is not None:
             d.pilot = model.pilot
         return d
