@@ -112,6 +112,8 @@ def test_methods_and_drafters_parse():
     assert method("specblock-pilot@new") is METHODS["specblock-pilot"]
     d = parse_drafters(["specblock@new=/new"])
     assert [_drafter_for(n, d) for n in ("specblock", "specblock@new", "specblock-pilot@new")] == [None, "/new", "/new"]
+    # a combined row serves its model drafter's tagged file
+    assert [_drafter_for(n, d) for n in ("specblock+ngram", "specblock+ngram@new")] == [None, "/new"]
     with pytest.raises(BlockspecError, match="unknown bench method 'eagle@x'"):
         parse_methods("eagle@x")
 

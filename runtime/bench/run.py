@@ -215,9 +215,11 @@ def parse_drafters(items: Sequence[str]) -> dict[str, str]:
 
 
 def _drafter_for(name: str, drafters: dict[str, str]) -> str | None:
-    """The row's own --drafter, else its base method's (a tagged row: the base with the same tag)."""
+    """The row's own --drafter, else its base method's (a tagged row: the base with the same tag),
+    else its model drafter's (specblock+ngram@x: specblock@x's)."""
     _, at, tag = name.partition("@")
-    return drafters.get(name) or drafters.get(method(name).base + at + tag)
+    base = method(name).base
+    return drafters.get(name) or drafters.get(base + at + tag) or drafters.get(base.partition("+")[0] + at + tag)
 
 
 def _gguf_path(path: Path) -> str:
