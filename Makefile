@@ -132,7 +132,11 @@ stage2-gguf: train-specblock-ft train-dblast-ft  # the stage-2 drafters as shipp
 # Stage 3 (seventh session): fresh prompts the earlier stages never answered -- pycode from its
 # 760th function on, ShareGPT from its 3000th conversation (`SOURCE:N`) -- answered by two one-thread
 # workers, then the stage-2 GGUFs fine-tuned on them (`--init`). FRESH_PROMPTS bounds the data run (a
-# rerun with a larger value continues it); as run: see the README's bench section.
+# rerun with a larger value continues it). As run in the seventh session: stopped by SIGTERM after 63
+# min at 2,293 prompts (438,885 answer tokens, 643,847 tokens with features, 579 answers sampled, 3.5 GB;
+# ~115 answer tok/s for both workers beside builds); FRESH_PROMPTS=2300 reproduces that data up to the
+# prompts then in flight. The fine-tunes ran side by side from the shipped stage-2 GGUFs (SpecBlock
+# 2,500 steps, DBlast 450).
 FRESH_DATA_DIR = $(TRAIN_DIR)/data-smollm2-fresh
 FRESH_PROMPTS ?= 3000
 FRESH_COMMON = --target $(SMOLLM2) --data $(FRESH_DATA_DIR) --batch-size 8 --anchors-per-seq 16 --lr 6e-4 --warmup 30 \
@@ -151,10 +155,10 @@ train-specblock-s3: stage2-gguf train-data-fresh
 		--distill-weight 0.5 --init $(TRAIN_DIR)/specblock-ft.q8_0.gguf --out $(TRAIN_DIR)/specblock-s3 \
 		> $(TRAIN_DIR)/specblock-s3.log 2>&1
 train-dblast-s3: stage2-gguf train-data-fresh
-	$(TRAIN) dblast $(FRESH_COMMON) --steps $(S3_DBLAST_STEPS) --eval-every 200 --save-every 50 --log-every 20 --loss al \
+	$(TRAIN) dblast $(FRESH_COMMON) --steps $(S3_DBLAST_STEPS) --eval-every 150 --save-every 50 --log-every 20 --loss al \
 		--n-categories 4 --init $(TRAIN_DIR)/dblast-ft.q8_0.gguf --out $(TRAIN_DIR)/dblast-s3 > $(TRAIN_DIR)/dblast-s3.log 2>&1
 S3_SPECBLOCK_STEPS ?= 2500
-S3_DBLAST_STEPS ?= 800
+S3_DBLAST_STEPS ?= 450
 
 drafters: train-specblock-s3 train-dblast-s3
 	mkdir -p $(DRAFTERS_DIR)
@@ -209,6 +213,16 @@ bench-tools: setup
 bench: bench-tools
 	$(VENV)/bin/blockspec bench --prompts mtbench,humaneval --n-prompts $(BENCH_N) --methods $(BENCH_METHODS) \
 		--temperatures 0,1 --max-tokens 256 --json $(BENCH_OUT).json --plot $(BENCH_OUT).png
+# `make bench-adapt`: issue 15's session -- a SpecBlock trained on chat (the stage-1 drafter of 742faa3,
+# ShareGPT + chitchat answers only) serving 40 stdlib-code requests (pycode from its 760th function),
+# greedy, with and without --adapt: tau per 100 generated tokens, updates by kind, time spent updating.
+ADAPT_DRAFTER ?= $(TRAIN_DIR)/specblock-stage1.q8_0.gguf
+.PHONY: bench-adapt
+bench-adapt: setup
+	mkdir -p $(TRAIN_DIR)
+	test -f $(ADAPT_DRAFTER) || git show 742faa3:models/drafters/smollm2-135m-specblock.q8_0.gguf > $(ADAPT_DRAFTER)
+	$(PY) benchmarks/adapt_session.py --requests 40 --max-tokens 128 --window 100 --drafter $(ADAPT_DRAFTER) \
+		--json $(BENCH_OUT)-adapt.json
 bench-qwen: bench-tools
 	$(VENV)/bin/blockspec models fetch qwen2.5-coder-1.5b
 	$(VENV)/bin/blockspec models fetch qwen2.5-coder-0.5b
