@@ -7,7 +7,7 @@ import pytest
 from scipy import stats as sps
 
 from blockspec.runtime.engine.acceptance import accept, accept_greedy, accept_sampled
-from blockspec.runtime.engine.sampling import SamplingParams, target_distribution
+from blockspec.runtime.engine.sampling import Law, SamplingParams, target_distribution
 from blockspec.runtime.drafters.tree import DraftTree
 
 V = 6
@@ -75,20 +75,21 @@ def test_sampled_acceptance_reproduces_target_distribution(kind, temperature):
     exact = (p1[:, None] * p2).ravel()
     q = np.full(V, 1.0 / V) * 0.5 + 0.5 * np.eye(V)[2]  # a deliberately wrong draft distribution
     q2 = np.full(V, 1.0 / V) * 0.3 + 0.7 * np.eye(V)[4]  # another
+    lq, lq2 = Law.of(q), Law.of(q2)
 
     n = 20000
     firsts = np.empty(n, dtype=int)
     for i in range(n):
         if kind == "chain-q":
             d0 = int(rng.choice(V, p=q)); d1 = int(rng.choice(V, p=q))
-            tree = DraftTree.chain(0, [d0, d1], q=[q, q])
+            tree = DraftTree.chain(0, [d0, d1], q=[lq, lq])
         elif kind == "tree-q":
             a, b = (int(x) for x in rng.choice(V, size=2, p=q))
-            tree = DraftTree([0, a, b, int(rng.choice(V, p=q))], [-1, 0, 0, 1], [None, q, q, q])
+            tree = DraftTree([0, a, b, int(rng.choice(V, p=q))], [-1, 0, 0, 1], [None, lq, lq, lq])
         elif kind == "siblings-no-replacement":  # 3 distinct first tokens, a spine below the first
-            tree = DraftTree.sampled(0, [[q, q]], [3, 1], 4, rng)
+            tree = DraftTree.sampled(0, [[lq, lq]], [3, 1], 4, rng)
         elif kind == "branches-own-q":  # two branches, each from its own laws
-            tree = DraftTree.sampled(0, [[q, q], [q2, q]], [1, 1], 4, rng)
+            tree = DraftTree.sampled(0, [[lq, lq], [lq2, lq]], [1, 1], 4, rng)
         elif kind == "tree-match":
             tree = DraftTree.from_paths(0, [[1, 2], [3, 1], [3, 4]])
         else:
@@ -113,7 +114,7 @@ def test_drafter_equal_target_accepts_everything():
     p = target_distribution(logits, params)
     for _ in range(500):
         d = [int(rng.choice(V, p=p)) for _ in range(3)]
-        tree = DraftTree.chain(0, d, q=[p, p, p])
+        tree = DraftTree.chain(0, d, q=[Law.of(p)] * 3)
         v = accept(tree, np.stack([logits] * 4), params, rng, [0])
         assert len(v.accepted) == 3 and v.bonus
 
@@ -172,7 +173,7 @@ def test_top_k_keeps_exactly_k_on_ties():
                                     dict(temperature=1.0, top_p=0.5, repeat_penalty=1.3)])
 def test_sample_over_the_support_is_the_dense_draw(params):
     """Plain decoding samples over the target distribution's support alone (sampling.sample); it
-    must draw, seed for seed, the token the dense inverse CDF (`draw`, used by acceptance) draws."""
+    must draw, seed for seed, the token the dense inverse CDF (`draw`) draws."""
     from blockspec.runtime.engine.sampling import draw, sample
 
     rs = np.random.default_rng(0)
@@ -183,3 +184,48 @@ def test_sample_over_the_support_is_the_dense_draw(params):
         hist = list(rs.integers(0, 4096, 16))
         assert sample(x, p, np.random.default_rng(trial), hist) == \
             draw(target_distribution(x, p, hist), np.random.default_rng(trial))
+
+
+def test_law_on_its_support_is_the_dense_computation():
+    """sampling.Law (acceptance and drafting hold laws by their support) gives the dense vector's
+    masses, residual and draws: residuals to float rounding, draws seed for seed."""
+    from blockspec.runtime.engine.sampling import draw
+
+    rs = np.random.default_rng(1)
+    n = 64
+    for trial in range(300):
+        p, q = (rs.dirichlet(np.ones(n)) * (rs.random(n) < 0.3) for _ in range(2))
+        p[rs.integers(n)] += 0.1  # never empty
+        q[rs.integers(n)] += 0.1
+        p, q = p / p.sum(), q / q.sum()
+        lp, lq = Law.of(p), Law.of(q)
+        np.testing.assert_array_equal(lp.at(np.arange(n)), p)
+        r = np.maximum(p - q, 0.0)
+        res = lp.residual(lq)
+        if r.sum() > 0:
+            np.testing.assert_allclose(res.dense(n), r / r.sum(), rtol=1e-12, atol=1e-15)
+        else:
+            assert res is None
+        assert lp.draw(np.random.default_rng(trial)) == draw(p, np.random.default_rng(trial))
+        tok = lp.draw(np.random.default_rng(trial))
+        rest = p.copy()
+        rest[tok] = 0
+        if rest.sum() > 0:
+            np.testing.assert_allclose(lp.without(tok).dense(n), rest / rest.sum(), rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0.8), dict(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0),
+                                    dict(temperature=1.0, top_k=7, top_p=0.5, min_p=0.1)])
+def test_draft_law_is_the_target_chain_without_ties(params):
+    """A drafter's law (DraftSampler.law: top-k by numpy's partition) is the target's sampler chain
+    wherever no logits tie at the k-th place."""
+    from blockspec.runtime.engine.sampling import DraftSampler, target_law
+
+    rs = np.random.default_rng(2)
+    p = SamplingParams(**params)
+    s = DraftSampler(p, rs)
+    for _ in range(50):
+        x = (rs.standard_normal(4096) * 3).astype(np.float32)
+        a, b = s.law(x), target_law(x, p)
+        np.testing.assert_array_equal(a.ids, b.ids)
+        np.testing.assert_array_equal(a.probs, b.probs)

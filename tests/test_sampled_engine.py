@@ -143,7 +143,7 @@ def test_rejection_sampling_with_drafter_q_matches_target_law(setup, branches, t
 @pytest.mark.parametrize("method,branches", [("specblock", 1), ("specblock", 2), ("dblast", 1), ("dblast", 2)])
 def test_drafters_sample_from_their_own_laws(setup, method, branches, backend):
     """Every block drafter, both backends, chains and trees: at T > 0 each drafted node carries the
-    law it was drawn from (a distribution over the target vocabulary giving its token mass), and
+    law it was drawn from (a law over target ids, ascending, giving its token mass), and
     generation runs with the rejection rule."""
     from blockspec.runtime.engine.sampling import DraftSampler
     from blockspec.runtime.engine.setup import make_drafter, shipped_drafter
@@ -159,5 +159,6 @@ def test_drafters_sample_from_their_own_laws(setup, method, branches, backend):
     tree = d.propose(prompt + gen.tokens, DraftSampler(params, np.random.default_rng(0)))
     assert len(tree) > 1 and tree.q[0] is None
     for tok, law in zip(tree.tokens[1:], tree.q[1:]):
-        assert law.shape == (t.n_vocab,) and abs(law.sum() - 1) < 1e-9 and law[tok] > 0
+        assert (np.diff(law.ids) > 0).all() and 0 <= law.ids[0] and law.ids[-1] < t.n_vocab
+        assert abs(law.probs.sum() - 1) < 1e-9 and law[tok] > 0
     d.trim(0)

@@ -51,7 +51,7 @@ class Drafter:
         """A tree rooted at history[-1] (the last emitted token, not yet in the cache). With a
         `sampler` (engine/sampling.DraftSampler: `law(logits)` and `rng`), a drafter that
         `samples_drafts` draws its tokens from its own distribution and records the law of each
-        node (DraftTree.q); otherwise (and always at T = 0) its drafts are deterministic."""
+        node (DraftTree.q, a sampling.Law); otherwise (and always at T = 0) its drafts are deterministic."""
         raise NotImplementedError
 
     samples_drafts = False  # can draw its drafts from its own distribution (propose's sampler)
@@ -108,19 +108,21 @@ class BlockDrafter(Drafter):
     samples_drafts = True
 
     def _sampled_tree(self, root: int, branch_logits: Sequence[np.ndarray], widths: Sequence[int], sampler,
-                      d2t: np.ndarray | None, n_vocab: int) -> DraftTree:
+                      d2t: np.ndarray | None) -> DraftTree:
         """Drafts drawn from the drafter's own laws: `branch_logits[b]` [depths, Vd] over the draft
         vocabulary (`d2t` maps its ids to the target's; None: they are the target's), each row's law
         the request's sampler chain applied to it (`sampler.law`). DraftTree.sampled shapes the tree."""
+        from blockspec.runtime.engine.sampling import Law
+
         laws = []
         for logits in branch_logits:
             rows = []
             for row in np.asarray(logits, dtype=np.float32):
                 law = sampler.law(row)
-                if d2t is not None:
-                    full = np.zeros(n_vocab)
-                    full[d2t] = law
-                    law = full
+                if d2t is not None:  # to target ids, kept ascending
+                    ids = d2t[law.ids]
+                    order = np.argsort(ids)
+                    law = Law(ids[order], law.probs[order])
                 rows.append(law)
             laws.append(rows)
         return DraftTree.sampled(root, laws, list(widths), self.max_nodes, sampler.rng)

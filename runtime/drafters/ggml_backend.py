@@ -370,12 +370,12 @@ class GgmlSpecBlockDrafter(GgmlBlockDrafter):
         if not self.tree:  # a chain needs the draft logits only
             logits = self._run_block(self._anchor(history), root, K, ("draft_logits",))["draft_logits"]
             if sampler is not None:
-                return self._sampled_tree(root, [logits], [1] * K, sampler, self.d2t, self.header["vocab_size"])
+                return self._sampled_tree(root, [logits], [1] * K, sampler, self.d2t)
             return DraftTree.chain(root, self.to_target(logits.argmax(-1)).tolist())
         logits, rank = self.block_outputs(history)
         widths = self.rank_widths[rank.argmax(-1)]  # [K]
         if sampler is not None:
-            return self._sampled_tree(root, [logits], widths, sampler, self.d2t, self.header["vocab_size"])
+            return self._sampled_tree(root, [logits], widths, sampler, self.d2t)
         m = logits.max(-1, keepdims=True)
         logp = logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True))
         cand, cand_lp = [], []
@@ -469,12 +469,12 @@ class GgmlDFlashDrafter(GgmlBlockDrafter):
         if self.n_categories == 1:
             logits = self.block_logits(history)[:self.block_size, :n_vocab]  # the mask id dropped
             if sampler is not None:
-                return self._sampled_tree(root, [logits], [1] * self.block_size, sampler, None, n_vocab)
+                return self._sampled_tree(root, [logits], [1] * self.block_size, sampler, None)
             return DraftTree.chain(root, logits.argmax(-1).tolist())
         _, logits = self.branch_logits(history)
         if sampler is not None:  # the branches' categories as at T = 0; each branch's tokens drawn
             return self._sampled_tree(root, list(logits[:, :self.block_size]), [1] * self.block_size, sampler,
-                                      self.d2t, n_vocab)
+                                      self.d2t)
         paths = self.to_target(logits[:, :self.block_size].argmax(-1))
         return DraftTree.from_paths(root, paths.tolist())
 

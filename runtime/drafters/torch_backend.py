@@ -171,7 +171,7 @@ class SpecBlockDrafter(TorchDrafter):
         widths = torch.tensor(self.args.rank_widths)[out.rank_logits[0, 0, :K].argmax(-1)]  # [K]
         if sampler is not None:
             return self._sampled_tree(root, [logits.numpy()], widths.tolist() if self.tree else [1] * K, sampler,
-                                      self._d2t(), self.args.vocab_size)
+                                      self._d2t())
         logp = torch.log_softmax(logits, dim=-1)
         wmax = int(widths.max())
         top = logp.topk(min(wmax, logp.shape[-1]), dim=-1)
@@ -205,7 +205,7 @@ class DBlastDrafter(TorchDrafter):
         logits = logits[0, 0, :, :self.block_size].float()  # [n, P, Vd]
         if sampler is not None:
             return self._sampled_tree(int(history[-1]), list(logits.numpy()), [1] * self.block_size, sampler,
-                                      self._d2t(), self.args.vocab_size)
+                                      self._d2t())
         paths = self.model.vocab.to_target(logits.argmax(-1)).tolist()  # [n, P]
         return DraftTree.from_paths(int(history[-1]), paths)
 

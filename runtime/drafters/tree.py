@@ -13,18 +13,22 @@ prefix plus its ancestors: node logits equal those of decoding that path alone.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from blockspec.runtime.engine.sampling import Law
 
 
 @dataclass
 class DraftTree:
     tokens: list[int]  # [n_nodes], tokens[0] = root
     parents: list[int]  # [n_nodes], parents[0] = -1
-    # q[i]: [n_vocab] the law node i's token was drawn from, given its parent's path and its
+    # q[i]: the law (sampling.Law) node i's token was drawn from, given its parent's path and its
     # earlier siblings (runtime/engine/acceptance.py), or None where it was chosen
     # deterministically (greedy / top-k / lookup); q[0] is None
-    q: list[np.ndarray | None] = field(default_factory=list)
+    q: list["Law | None"] = field(default_factory=list)
 
     def __post_init__(self):
         if len(self.tokens) != len(self.parents) or not self.tokens or self.parents[0] != -1:
@@ -36,18 +40,18 @@ class DraftTree:
             self.q = [None] * len(self.tokens)
 
     @classmethod
-    def chain(cls, root: int, drafted: list[int], q: list[np.ndarray | None] | None = None) -> "DraftTree":
+    def chain(cls, root: int, drafted: list[int], q: list["Law | None"] | None = None) -> "DraftTree":
         """root -> d0 -> d1 ...; q[k] (optional) is the distribution d_k was drawn from."""
         tokens = [root, *drafted]
         parents = [-1, *range(len(drafted))]
         return cls(tokens, parents, [None, *q] if q is not None else [])
 
     @classmethod
-    def sampled(cls, root: int, branches: list[list[np.ndarray]], widths: list[int], max_nodes: int,
+    def sampled(cls, root: int, branches: list[list["Law"]], widths: list[int], max_nodes: int,
                 rng: np.random.Generator) -> "DraftTree":
         """A tree of drafts drawn from draft distributions, for rejection sampling.
 
-        `branches[b][k]` is the [n_vocab] law of depth k's token in branch b (it may not depend on
+        `branches[b][k]` is the law (sampling.Law) of depth k's token in branch b (it may not depend on
         the tokens drawn before it in the branch: a block drafter's one pass gives every depth's).
         Each branch is a spine, one token per depth drawn from its law; depth k of the spine also
         gets up to widths[k] - 1 siblings, drawn from the same law without replacement, while the
@@ -155,18 +159,15 @@ class DraftTree:
         return ids, leaves
 
 
-def draw_without_replacement(q: np.ndarray, n: int, rng: np.random.Generator) -> list[tuple[int, np.ndarray]]:
+def draw_without_replacement(q: "Law", n: int, rng: np.random.Generator) -> list[tuple[int, "Law"]]:
     """Up to n distinct tokens from q, one at a time; each with the law it was drawn from (q with the
     earlier ones removed, renormalised). Inverse CDF on one uniform per token."""
-    out: list[tuple[int, np.ndarray]] = []
-    law = np.asarray(q, dtype=np.float64)
+    out: list[tuple[int, "Law"]] = []
+    law = q.normalized()
     for _ in range(n):
-        cdf = np.cumsum(law)
-        if cdf[-1] <= 0:
+        if law is None:
             break
-        law = law / cdf[-1]
-        tok = int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), law.shape[0] - 1))
+        tok = law.draw(rng)
         out.append((tok, law))
-        law = law.copy()
-        law[tok] = 0.0
+        law = law.without(tok)
     return out

@@ -31,9 +31,10 @@ Rules:
   independently (DBlast branches), and drawn *without replacement* (q_c = q with the earlier
   siblings removed, renormalised): x_1 is only ever rejected when p(x_1) < q(x_1), so the
   residual gives x_1 no mass and never needs it again (tree.draw_without_replacement).
-The target distribution p is `sampling.target_distribution` — the same function plain
-decoding samples from, penalties and filters included — evaluated with the node's own
-history (the committed tokens plus the path to it).
+The target distribution p is `sampling.target_law` — the same function plain decoding
+samples from, penalties and filters included — evaluated with the node's own history (the
+committed tokens plus the path to it). Laws are held by their support (sampling.Law), which
+gives the dense computation's numbers exactly.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from typing import Sequence
 
 import numpy as np
 
-from blockspec.runtime.engine.sampling import SamplingParams, draw, penalize, target_distribution
+from blockspec.runtime.engine.sampling import SamplingParams, penalize, target_law
 from blockspec.runtime.drafters.tree import DraftTree
 
 
@@ -82,28 +83,28 @@ def accept_sampled(tree: DraftTree, logits: np.ndarray, sampling: SamplingParams
     kids = tree.children()
     node, accepted = 0, []
     while True:
-        p = target_distribution(logits[node], sampling, _node_history(tree, node, history))
+        p = target_law(logits[node], sampling, _node_history(tree, node, history))
         if not kids[node]:
-            return Verdict(accepted, draw(p, rng), bonus=True)
+            return Verdict(accepted, p.draw(rng), bonus=True)
         nxt = None
         if tree.q[kids[node][0]] is None:  # deterministic children: sample-and-match
-            x = draw(p, rng)
+            x = p.draw(rng)
             nxt = next((c for c in kids[node] if tree.tokens[c] == x), None)
             if nxt is None:
                 return Verdict(accepted, x, bonus=False)
         else:
             for c in kids[node]:
                 x, q = tree.tokens[c], tree.q[c]
-                if q[x] > 0 and rng.random() * q[x] < p[x]:  # accept w.p. min(1, p/q)
+                qx = q[x]
+                if qx > 0 and rng.random() * qx < p[x]:  # accept w.p. min(1, p/q)
                     nxt = c
                     break
-                residual = np.maximum(p - q, 0.0)
-                mass = residual.sum()
-                if mass <= 0:  # p == q up to rounding: rejection had probability ~0
+                residual = p.residual(q)
+                if residual is None:  # p == q up to rounding: rejection had probability ~0
                     continue
-                p = residual / mass
+                p = residual
             if nxt is None:
-                return Verdict(accepted, draw(p, rng), bonus=False)
+                return Verdict(accepted, p.draw(rng), bonus=False)
         accepted.append(nxt)
         node = nxt
 

@@ -1,7 +1,9 @@
 """The target's sampling distribution, as one pure function.
 
-Plain decoding and every speculative acceptance rule draw from `target_distribution`,
-so "speculative output follows the target's sampling distribution" has one meaning.
+Plain decoding and every speculative acceptance rule draw from `target_law`, so "speculative
+output follows the target's sampling distribution" has one meaning. A `Law` holds a distribution
+by its support (a few dozen ids under top-k), so drafting and acceptance never touch a
+vocabulary-sized vector.
 The chain follows llama.cpp's common sampler order: repetition penalty -> top-k ->
 top-p -> min-p -> temperature -> draw. (top-k/top-p/min-p therefore act on the
 untempered softmax, exactly as llama.cpp's samplers do.) temperature <= 0 is greedy:
@@ -53,8 +55,64 @@ class DraftSampler:
     def __init__(self, params: SamplingParams, rng: np.random.Generator):
         self.params, self.rng = params, rng
 
-    def law(self, logits: np.ndarray) -> np.ndarray:
-        return target_distribution(logits, self.params)
+    def law(self, logits: np.ndarray) -> "Law":
+        """The chain over the drafter's logits, top-k by numpy's partition: q only has to be the
+        law the draft is drawn from, so which tied token top-k keeps is free here (llama.cpp's own
+        top-k costs ~70 us a row through ctypes, a large share of a block's drafting)."""
+        x = np.asarray(logits, dtype=np.float32)
+        k, n = self.params.top_k, x.shape[0]
+        cand = np.sort(np.argpartition(-x, k - 1)[:k]) if 0 < k < n else np.arange(n)
+        return _filtered_law(x, cand, self.params)
+
+
+@dataclass(frozen=True)
+class Law:
+    """A distribution by its support: token ids (ascending) and their probabilities (float64).
+    Every operation gives what the dense [n_vocab] vector would, bit for bit: the zeros between
+    the ids add nothing to a sum or a CDF."""
+
+    ids: np.ndarray
+    probs: np.ndarray
+
+    @classmethod
+    def of(cls, probs: np.ndarray) -> "Law":
+        """From a dense vector of probabilities."""
+        probs = np.asarray(probs, dtype=np.float64)
+        ids = np.flatnonzero(probs)
+        return cls(ids, probs[ids])
+
+    def at(self, ids: np.ndarray) -> np.ndarray:
+        """Masses of tokens `ids` (0 outside the support)."""
+        i = np.minimum(np.searchsorted(self.ids, ids), len(self.ids) - 1)
+        return np.where(self.ids[i] == ids, self.probs[i], 0.0)
+
+    def __getitem__(self, token: int) -> float:
+        return float(self.at(np.array([token]))[0])
+
+    def dense(self, n_vocab: int) -> np.ndarray:
+        out = np.zeros(n_vocab)
+        out[self.ids] = self.probs
+        return out
+
+    def normalized(self) -> "Law | None":
+        """Rescaled to mass 1, zeros dropped; None when no mass is left."""
+        keep = self.probs > 0
+        total = self.probs.sum()
+        return Law(self.ids[keep], self.probs[keep] / total) if total > 0 else None
+
+    def residual(self, q: "Law") -> "Law | None":
+        """norm(max(self - q, 0)): what is left of this law after a draft from q was rejected."""
+        return Law(self.ids, np.maximum(self.probs - q.at(self.ids), 0.0)).normalized()
+
+    def without(self, token: int) -> "Law | None":
+        """This law with `token` removed, renormalised (a draw without replacement)."""
+        return Law(self.ids, np.where(self.ids == token, 0.0, self.probs)).normalized()
+
+    def draw(self, rng: np.random.Generator) -> int:
+        """One token by inverse CDF on a single uniform: = draw(self.dense(n), rng)."""
+        cdf = np.cumsum(self.probs)
+        u = rng.random() * cdf[-1]
+        return int(self.ids[min(np.searchsorted(cdf, u, side="right"), len(self.ids) - 1)])
 
 
 def penalize(logits: np.ndarray, history: Sequence[int], p: SamplingParams) -> np.ndarray:
@@ -69,16 +127,13 @@ def penalize(logits: np.ndarray, history: Sequence[int], p: SamplingParams) -> n
 
 
 def target_distribution(logits: np.ndarray, p: SamplingParams, history: Sequence[int] = ()) -> np.ndarray:
-    """[n_vocab] float64 probabilities the target samples from (one-hot when greedy). The logits
-    stay float32, as llama.cpp's samplers see them, through the penalty and top-k."""
-    ids, probs = target_support(logits, p, history)
-    out = np.zeros(np.shape(logits)[0])
-    out[ids] = probs
-    return out
+    """[n_vocab] float64 probabilities the target samples from (one-hot when greedy)."""
+    return target_law(logits, p, history).dense(np.shape(logits)[0])
 
 
-def target_support(logits: np.ndarray, p: SamplingParams, history: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
-    """The target distribution's support: (token ids [m] ascending, their probabilities [m] float64).
+def target_law(logits: np.ndarray, p: SamplingParams, history: Sequence[int] = ()) -> Law:
+    """The law the target samples from, by its support (one token when greedy). The logits stay
+    float32, as llama.cpp's samplers see them, through the penalty and top-k.
 
     Everything after top-k works on top-k's candidates only (all tokens when top-k is off),
     kept in id order so ties break as over the whole vocabulary: a full-vocabulary sort per
@@ -86,11 +141,16 @@ def target_support(logits: np.ndarray, p: SamplingParams, history: Sequence[int]
     x = penalize(np.asarray(logits, dtype=np.float32), history, p)
     n = x.shape[0]
     if p.greedy:
-        return np.array([int(np.argmax(x))]), np.ones(1)
+        return Law(np.array([int(np.argmax(x))]), np.ones(1))
     if 0 < p.top_k < n:
         cand = np.sort(top_k_ids(x, p.top_k))  # exactly k, ties at the k-th place as llama.cpp breaks them
     else:
         cand = np.arange(n)
+    return _filtered_law(x, cand, p)
+
+
+def _filtered_law(x: np.ndarray, cand: np.ndarray, p: SamplingParams) -> Law:
+    """top-p -> min-p -> temperature over top-k's candidates `cand` (ascending ids) of logits x."""
     xc = x[cand].astype(np.float64)
     keep = np.ones(len(cand), dtype=bool)
     if p.top_p < 1.0 or p.min_p > 0.0:
@@ -108,7 +168,7 @@ def target_support(logits: np.ndarray, p: SamplingParams, history: Sequence[int]
             keep &= q >= p.min_p * q.max()
     z = xc[keep] / p.temperature
     e = np.exp(z - z.max())
-    return cand[keep], e / e.sum()
+    return Law(cand[keep], e / e.sum())
 
 
 def draw(probs: np.ndarray, rng: np.random.Generator) -> int:
@@ -119,14 +179,10 @@ def draw(probs: np.ndarray, rng: np.random.Generator) -> int:
 
 
 def sample(logits: np.ndarray, p: SamplingParams, rng: np.random.Generator, history: Sequence[int] = ()) -> int:
-    """= draw(target_distribution(...), rng) token for token, over the support alone: the dense
-    CDF only rises at the support's ids, and adding the zeros between them is exact."""
+    """= draw(target_distribution(...), rng) token for token (Law.draw)."""
     if p.greedy:
         return int(np.argmax(penalize(np.asarray(logits), history, p)))
-    ids, probs = target_support(logits, p, history)
-    cdf = np.cumsum(probs)
-    u = rng.random() * cdf[-1]
-    return int(ids[min(np.searchsorted(cdf, u, side="right"), len(ids) - 1)])
+    return target_law(logits, p, history).draw(rng)
 
 
 def make_rng(seed: int | None) -> np.random.Generator:
