@@ -108,9 +108,10 @@ def main(argv=None) -> dict:
                          tau_windows=windows(r["passes"], args.window), wall_s=sum(r["walls"]))
     a = runs["specblock --adapt"]
     upd_s = sum(st.adapt["update_s"] for st in a["stats"])
-    res["specblock --adapt"].update(updates=dict(adapter.updates), update_s=upd_s,
+    res["specblock --adapt"].update(updates=dict(adapter.updates), undone=dict(adapter.undone), update_s=upd_s,
                                     update_share=upd_s / max(1e-9, res["specblock --adapt"]["wall_s"]),
-                                    actions=[st.adapt["action"] for st in a["stats"]])
+                                    actions=[st.adapt["action"] for st in a["stats"]],
+                                    effects=[round(st.adapt["effect"], 4) for st in a["stats"]])
     res["identical_outputs"] = runs["specblock"]["tokens"] == a["tokens"]
 
     print(f"{res['requests']} requests from {args.source} (after {args.skip}), {args.max_tokens} tokens max, "
@@ -122,7 +123,8 @@ def main(argv=None) -> dict:
         print(f"{i:>6}  {fmt(x):>9}  {fmt(y):>8}")
     s, ad = res["specblock"], res["specblock --adapt"]
     print(f"tau over the session: {s['tau']:.3f} without, {ad['tau']:.3f} with --adapt")
-    print(f"updates: {ad['updates']['head']} head, {ad['updates']['full']} full; {ad['update_s']:.2f} s updating = "
+    print(f"updates kept: {ad['updates']['head']} head, {ad['updates']['full']} full; undone: {ad['undone']['head']} "
+          f"head, {ad['undone']['full']} full; {ad['update_s']:.2f} s updating = "
           f"{100 * ad['update_share']:.1f}% of the adapted session's {ad['wall_s']:.1f} s")
     print(f"outputs identical: {'yes' if res['identical_outputs'] else 'NO'}")
     if args.json:

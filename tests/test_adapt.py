@@ -176,28 +176,30 @@ def test_bandit_skips_without_signal_or_requests():
 def test_bandit_updates_when_gain_is_high_and_skips_when_cost_exceeds_it():
     b = CostAwareBandit(AdaptConfig(prior_effect=0.2, horizon=10))
     b.end_request(signal=2.0, blocks=50, pass_s=0.02, tau=1.5)
-    # gain = 0.2 * 2 * 50 * 10 * 0.02 / 1.5 = 2.67 s for either kind
-    assert math.isclose(b.gain("head"), 0.2 * 2 * 50 * 10 * 0.02 / 1.5)
+    # gain = 0.2 tokens/block * 50 blocks * 10 requests * 0.02 s / 1.5 tokens per pass, either kind
+    assert math.isclose(b.gain("head"), 0.2 * 50 * 10 * 0.02 / 1.5)
     assert b.choose() == "head"  # both untried (cost 0): the cheaper kind first
-    b.record_update("head", 0.5)
-    b.end_request(signal=2.0, blocks=50, pass_s=0.02, tau=1.5)  # no change: head's effect drops
+    b.record_update("head", 0.5, effect=0.0)  # won nothing on the held-back blocks
     assert b.effect["head"] < 0.2
     assert b.choose() == "full"  # untried, still at its prior
-    b.record_update("full", 1.0)
-    b.end_request(signal=1.0, blocks=50, pass_s=0.02, tau=1.5)  # halved the signal: full worked
+    b.record_update("full", 1.0, effect=0.6)  # won 0.6 tokens per block
     assert b.effect["full"] > 0.2
     assert b.net("full") > 0 and b.choose() == "full"
     # the same situation with updates far dearer than what they win: skip
     b.cost = {"head": 100.0, "full": 100.0}
     assert b.gain("full") < 100 and b.choose() == "skip"
+    # a drafter that is never wrong has nothing to win
+    b.cost = {"head": 0.01, "full": 0.01}
+    b.end_request(signal=0.0, blocks=50, pass_s=0.02, tau=1.5)
+    b.signal = 0.0
+    assert b.choose() == "skip"
     # and an update that made things worse is not repeated at any cost
     c = CostAwareBandit(AdaptConfig(prior_effect=0.2, horizon=10))
     c.end_request(signal=2.0, blocks=50, pass_s=0.02, tau=1.5)
     c.available.discard("full")
     for _ in range(3):
         assert c.choose() == "head"
-        c.record_update("head", 0.01)
-        c.end_request(signal=2 * c.signal, blocks=50, pass_s=0.02, tau=1.5)  # each update doubled the signal
+        c.record_update("head", 0.01, effect=-0.3)
         if c.effect["head"] < 0:
             break
     assert c.effect["head"] < 0 and c.choose() == "skip"
@@ -224,10 +226,13 @@ def test_adapt_session_is_lossless_and_updates(shipped, target):
         assert a is not None and a["blocks"] > 0 and a["action"] in ("skip", "head", "full")
         actions.append(a["action"])
         if i == 1:
-            ad.update("full")  # both kinds for certain, whatever the bandit chose
-            ad.update("head")
-    assert actions[0] == "head"  # a high prior and a long horizon: the first request pays for an update
-    assert ad.updates["head"] >= 2 and ad.updates["full"] >= 1
+            assert a["action"] == "head"  # a high prior and a long horizon: the update pays
+            assert a["kept"] == (a["effect"] > 0) and a["update_s"] > 0
+            ad.update("full", keep_worse=True)  # both kinds written for certain, whatever they won
+            ad.update("head", keep_worse=True)
+    assert actions[0] == "skip"  # one request: nothing to train on besides the held-back one
+    assert ad.updates["head"] >= 1 and ad.updates["full"] >= 1
+    assert ad.updates["head"] + ad.undone["head"] >= 2
     assert spec.stats.adapt["update_s_total"] > 0 and spec.stats.adapt["updates"] == ad.updates
 
     # the ggml drafter now drafts with the torch copy's weights (q8_0 in llama.cpp), far from the

@@ -8,21 +8,26 @@ node's parent, read from the verify logits the step already has. s is the drafte
 target's distribution did not back, so it is the room an update has to win accepted tokens.
 
 Gain and cost. The bandit keeps EWMAs of s per block, blocks per request, seconds per speculative
-pass and tau, and per update kind (head-only, full) an EWMA `effect` of the share of s an update
-of that kind removes (measured on the request after the update, against the EWMA before it) and
-an EWMA of its measured cost in seconds. The expected throughput gain of kind a, in seconds saved
-over `horizon` requests, is
+pass and tau, and per update kind (head-only, full) an EWMA `effect` of the accepted tokens per
+block an update of that kind wins and an EWMA of its measured cost in seconds. The effect is
+measured when the update runs, on held-back blocks: the newest request is never trained on; the
+torch copy drafts its blocks (teacher-forced on the committed tokens, no target pass) before and
+after the update, and the effect is the change in the accepted prefix per block. An update whose
+effect is <= 0 is undone (the torch copy restored, nothing written to llama.cpp), so serving never
+drafts with weights that did worse on the newest request. The expected throughput gain of kind a,
+in seconds saved over `horizon` requests, is
 
-    gain(a) = effect(a) * s * blocks * horizon * pass_s / tau
+    gain(a) = effect(a) * blocks * horizon * pass_s / tau
 
-(an extra accepted token per block saves pass_s / tau of a request's time per block). Skip gains
-and costs nothing; an update runs only when gain(a) > cost(a) for the best a. Optimism explores:
-an untried kind has cost 0 and effect `prior_effect`, so each kind is tried once while there is
-any signal, and an update that did not pay its cost stops being chosen.
+(an extra accepted token per block saves pass_s / tau of a request's time per block), and 0 while
+the drafter is never wrong (s = 0: nothing to win). Skip gains and costs nothing; an update runs
+only when gain(a) > cost(a) for the best a. Optimism explores: an untried kind has cost 0 and
+effect `prior_effect`, so each kind is tried once while there is any signal, and a kind whose
+measured effect does not pay its cost stops being chosen.
 
-Updates. The session keeps its recent requests as training examples: the committed tokens and the
+Updates. The session keeps its recent requests as examples: the committed tokens and the
 target taps the drafter already holds for them (GgmlBlockDrafter._feats), anchored where the target
-answered. Head-only trains the draft head (the output projection over the draft vocabulary) on the
+answered; all but the newest are trained on, the newest measures the effect. Head-only trains the draft head (the output projection over the draft vocabulary) on the
 trunk's hidden states, full trains every drafter weight; both take a few Adam steps of the
 valid-prefix cross-entropy (models/losses.py, as models/train.py; full adds the rank head's loss)
 on a float32 torch copy of the drafter (models/checkpoint.py), which stays the master copy so
@@ -77,7 +82,7 @@ def rejection_signal(tree, logits: np.ndarray, verdict) -> float:
 class AdaptConfig:
     alpha: float = 0.3  # EWMA weight of the newest observation
     horizon: float = 8.0  # requests an update's gain is counted over
-    prior_effect: float = 0.1  # share of the signal an untried update kind is assumed to remove
+    prior_effect: float = 0.05  # accepted tokens per block an untried update kind is assumed to win
     steps: dict = field(default_factory=lambda: {"head": 8, "full": 4})  # Adam steps per update
     lr: dict = field(default_factory=lambda: {"head": 1e-3, "full": 1e-4})
     rank_weight: float = 0.1  # the rank head's loss in a full update (models/train.py's default)
@@ -91,8 +96,9 @@ def _ewma(old: float | None, new: float, alpha: float) -> float:
 
 
 class CostAwareBandit:
-    """Skip / head-only / full, from signals and measured costs (module docstring). Pure: numbers in,
-    an action out; the Adapter runs what it chooses and reports the cost back."""
+    """Skip / head-only / full, from signals, measured effects and measured costs (module
+    docstring). Pure: numbers in, an action out; the Adapter runs what it chooses and reports the
+    update's cost and effect back."""
 
     def __init__(self, config: AdaptConfig | None = None):
         self.cfg = c = config or AdaptConfig()
@@ -100,33 +106,27 @@ class CostAwareBandit:
         self.blocks: float | None = None  # EWMA of blocks per request
         self.pass_s: float | None = None  # EWMA of seconds per speculative pass
         self.tau: float | None = None
-        self.effect = {a: c.prior_effect for a in UPDATES}
+        self.effect = {a: c.prior_effect for a in UPDATES}  # EWMA of accepted tokens per block won
         self.cost: dict[str, float | None] = {a: None for a in UPDATES}
         self.count = {a: 0 for a in ACTIONS}
         self.available = set(UPDATES)
-        self._pending: tuple[str, float] | None = None  # (update kind, signal EWMA before it)
 
     def end_request(self, signal: float, blocks: int, pass_s: float, tau: float) -> None:
-        """A request's mean signal per block, its block count, seconds per pass and tau. The request
-        after an update measures that update's effect."""
+        """A request's mean signal per block, its block count, seconds per pass and tau."""
         if blocks <= 0:
             return
         a = self.cfg.alpha
-        if self._pending is not None:
-            kind, before = self._pending
-            if before > 1e-9:
-                self.effect[kind] = _ewma(self.effect[kind], max(-1.0, min(1.0, (before - signal) / before)), a)
-            self._pending = None
         self.signal = _ewma(self.signal, signal, a)
         self.blocks = _ewma(self.blocks, float(blocks), a)
         self.pass_s = _ewma(self.pass_s, pass_s, a)
         self.tau = _ewma(self.tau, max(tau, 1.0), a)
 
     def gain(self, kind: str) -> float:
-        """Expected seconds an update of `kind` saves over the horizon (0 before any request)."""
-        if kind == "skip" or self.signal is None:
+        """Expected seconds an update of `kind` saves over the horizon (0 before any request, and
+        while the drafter is never wrong)."""
+        if kind == "skip" or self.signal is None or self.signal <= 1e-9:
             return 0.0
-        return self.effect[kind] * self.signal * self.blocks * self.cfg.horizon * self.pass_s / self.tau
+        return self.effect[kind] * self.blocks * self.cfg.horizon * self.pass_s / self.tau
 
     def net(self, kind: str) -> float:
         return self.gain(kind) - (self.cost[kind] or 0.0) if kind != "skip" else 0.0
@@ -140,10 +140,11 @@ class CostAwareBandit:
         self.count[best] += 1
         return best
 
-    def record_update(self, kind: str, seconds: float) -> None:
-        """An update of `kind` ran and took `seconds`; its effect is measured on the next request."""
+    def record_update(self, kind: str, seconds: float, effect: float) -> None:
+        """An update of `kind` ran, took `seconds` and changed the held-back blocks' accepted
+        tokens per block by `effect` (an update that did not help was undone, at that cost)."""
         self.cost[kind] = _ewma(self.cost[kind], seconds, self.cfg.alpha)
-        self._pending = (kind, self.signal or 0.0)
+        self.effect[kind] = _ewma(self.effect[kind], effect, self.cfg.alpha)
 
 
 @dataclass
@@ -174,7 +175,8 @@ class Adapter:
         self.examples: deque[_Example] = deque(maxlen=self.cfg.memory)
         self._opt: dict = {}
         self._rng = np.random.default_rng(self.cfg.seed)
-        self.updates = {a: 0 for a in UPDATES}
+        self.updates = {a: 0 for a in UPDATES}  # updates kept (written into the ggml drafter)
+        self.undone = {a: 0 for a in UPDATES}  # updates that did not help the held-back blocks
         self.update_s = 0.0
         self._warm_up()
         self.begin_request()
@@ -223,35 +225,67 @@ class Adapter:
         passes = max(1, stats.target_passes)
         self.bandit.end_request(signal, n, (stats.draft_s + stats.verify_s) / passes, stats.tau)
         action = self.bandit.choose() if n else "skip"
-        seconds = self.update(action) if action != "skip" else None
-        if seconds is None:  # skipped, or no example has a block to learn from yet
-            action, seconds = "skip", 0.0
+        done = self.update(action) if action != "skip" else None
+        if done is None:  # skipped, or no example to learn from or to measure on yet
+            action, (seconds, effect, kept) = "skip", (0.0, 0.0, False)
         else:
-            self.bandit.record_update(action, seconds)
-        stats.adapt = dict(action=action, update_s=seconds, signal=signal, blocks=n, signal_s=self._signal_s,
-                           updates=dict(self.updates), update_s_total=self.update_s)
+            seconds, effect, kept = done
+            self.bandit.record_update(action, seconds, effect)
+        stats.adapt = dict(action=action, update_s=seconds, effect=effect, kept=kept, signal=signal, blocks=n,
+                           signal_s=self._signal_s, updates=dict(self.updates), undone=dict(self.undone),
+                           update_s_total=self.update_s)
         self.begin_request()
         return action
 
     # ------------------------------------------------------------------ updates
-    def update(self, kind: str) -> float | None:
-        """A few Adam steps of `kind` on the session's examples, then the changed tensors into the
-        ggml drafter in place (and, full, its context recomputed). Returns the seconds it took, or
-        None when no example holds a block yet (nothing changed)."""
+    def update(self, kind: str, keep_worse: bool = False) -> tuple[float, float, bool] | None:
+        """A few Adam steps of `kind` on the session's examples but the newest, measured on the newest
+        (the accepted tokens per block its blocks gain, drafted by the torch copy before and after).
+        A gain > 0 (or `keep_worse`) writes the changed tensors into the ggml drafter in place (and,
+        full, recomputes its context); otherwise the torch copy is restored and nothing changes.
+        Returns (seconds, effect, kept), or None while fewer than two examples hold blocks."""
+        import torch
+
         if kind not in UPDATES:
             raise BlockspecError(f"unknown update kind {kind!r} (head or full)")
         if kind not in self.bandit.available:
             raise BlockspecError("this drafter shares the target's head: there is no head of its own to update")
         t0 = time.perf_counter()
-        batches = [b for b in (self._batch(ex) for ex in self.examples) if b is not None]
-        if not batches:
+        if len(self.examples) < 2:
             return None
+        *train, held = self.examples
+        batches = [b for b in (self._batch(ex) for ex in train) if b is not None]
+        val = self._batch(held)
+        if not batches or val is None:
+            return None
+        params = self._params(kind)
+        saved = [p.detach().clone() for p in params]
+        before = self._accepted(val)
         (self._update_head if kind == "head" else self._update_full)(batches)
-        self._write(kind)
+        effect = self._accepted(val) - before
+        kept = effect > 0 or keep_worse
+        if kept:
+            self._write(kind)
+            self.updates[kind] += 1
+        else:
+            with torch.no_grad():
+                for p, v in zip(params, saved):
+                    p.copy_(v)
+            self._opt.pop(kind, None)  # its moments pointed the way that did not help
+            self.undone[kind] += 1
         seconds = time.perf_counter() - t0
-        self.updates[kind] += 1
         self.update_s += seconds
-        return seconds
+        return seconds, effect, kept
+
+    def _accepted(self, b) -> float:
+        """Mean accepted prefix per block of batch `b` drafted greedily by the torch copy,
+        teacher-forced on the committed tokens."""
+        import torch
+
+        with torch.no_grad():
+            out = self.model(b["feats"], b["anchors"], b["last"])
+            match = (self.model.vocab.to_target(out.logits.argmax(-1)) == b["labels"]) & b["valid"]
+            return float(match.long().cumprod(-1).sum(-1).float().mean())
 
     def _batch(self, ex: _Example):
         """One request's blocks as a training batch: up to max_anchors anchors t >= first (the

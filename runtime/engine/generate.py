@@ -38,8 +38,9 @@ class Stats:
     prompt_tokens: int = 0
     block_size: int | None = None  # drafted tokens per block BlockPilot chose for this request (else None)
     pilot_accept: float | None = None  # BlockPilot's predicted per-token acceptance (None: no pilot)
-    # --adapt (runtime/engine/adapt.py), after the request: action (skip|head|full), update_s, signal
-    # (mean per block), blocks, signal_s, and the session's updates {head, full} and update_s_total
+    # --adapt (runtime/engine/adapt.py), after the request: action (skip|head|full), update_s, effect
+    # (accepted tokens per block won on the held-back request), kept, signal (mean per block), blocks,
+    # signal_s, and the session's updates kept {head, full}, undone {head, full} and update_s_total
     adapt: dict | None = None
 
     def record_pass(self, n_accepted: int) -> None:

@@ -108,12 +108,16 @@ def run_chat(*, model: str | None = None, drafter: str | None = None, method: st
 
 
 def adapt_note(adapt: dict | None) -> str:
-    """", adapt: full update 0.84 s (session: 0 head, 1 full, 0.84 s)" for Stats.adapt; "" without."""
+    """", adapt: full update 0.84 s, +0.12 tok/block, kept (session: 0 head, 1 full kept, 0.84 s)" for
+    Stats.adapt; "" without."""
     if not adapt:
         return ""
     u = adapt["updates"]
-    did = "skip" if adapt["action"] == "skip" else f"{adapt['action']} update {adapt['update_s']:.2f} s"
-    return f"; adapt: {did} (session: {u['head']} head, {u['full']} full, {adapt['update_s_total']:.2f} s)"
+    did = "skip" if adapt["action"] == "skip" else (
+        f"{adapt['action']} update {adapt['update_s']:.2f} s, {adapt['effect']:+.2f} tok/block, "
+        + ("kept" if adapt["kept"] else "undone"))
+    return (f"; adapt: {did} (session: {u['head']} head, {u['full']} full kept, "
+            f"{adapt['update_s_total']:.2f} s)")
 
 
 def _read(stdin: TextIO, out: TextIO) -> str | None:
