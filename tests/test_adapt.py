@@ -29,22 +29,7 @@ from prompts import PROMPTS
 torch = pytest.importorskip("torch")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def shipped():
-    from blockspec.runtime.engine.setup import shipped_drafter
-
-    path = shipped_drafter("specblock")
-    if path is None:
-        pytest.skip("no shipped SpecBlock drafter")
-    return path
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
@@ -83,8 +68,8 @@ def history(target):
 
 
 # ---------------------------------------------------------------------------------------- patch 0009
-def test_set_tensor_f32_in_place(shipped, target, history):
-    d = _drafter(shipped, target)
+def test_set_tensor_f32_in_place(shipped_specblock, target, history):
+    d = _drafter(shipped_specblock, target)
     _feed(d, target, history)
     before = d.get_tensor("output_norm.weight")
     logits0, _ = d.block_outputs(history)
@@ -97,8 +82,8 @@ def test_set_tensor_f32_in_place(shipped, target, history):
     d.close()
 
 
-def test_set_tensor_q8_0_in_place(shipped, target, history):
-    d = _drafter(shipped, target)
+def test_set_tensor_q8_0_in_place(shipped_specblock, target, history):
+    d = _drafter(shipped_specblock, target)
     _feed(d, target, history)
     n, shape, ggml_type = d._tensor("output.weight")
     assert ggml_type == 8 and shape == (4096, 576)  # GGML_TYPE_Q8_0, [draft vocab, width]
@@ -106,7 +91,7 @@ def test_set_tensor_q8_0_in_place(shipped, target, history):
     # the torch copy's dequantised q8_0 values requantise to the very same blocks
     from blockspec.models.checkpoint import read_drafter_gguf
 
-    model, _ = read_drafter_gguf(shipped)
+    model, _ = read_drafter_gguf(shipped_specblock)
     w = model.vocab.lm_head.weight.detach().numpy()
     try:
         assert np.array_equal(d.get_tensor("output.weight"), w)
@@ -121,8 +106,8 @@ def test_set_tensor_q8_0_in_place(shipped, target, history):
     d.close()
 
 
-def test_set_tensor_bad_input_changes_nothing(shipped, target, history):
-    d = _drafter(shipped, target)
+def test_set_tensor_bad_input_changes_nothing(shipped_specblock, target, history):
+    d = _drafter(shipped_specblock, target)
     _feed(d, target, history)
     base = d.block_outputs(history)[0]
     w = d.get_tensor("output_norm.weight")
@@ -143,8 +128,8 @@ def test_set_tensor_bad_input_changes_nothing(shipped, target, history):
     d.close()
 
 
-def test_mmapped_weights_are_refused_not_faulted(shipped, target):
-    d = _drafter(shipped, target, writable=False)
+def test_mmapped_weights_are_refused_not_faulted(shipped_specblock, target):
+    d = _drafter(shipped_specblock, target, writable=False)
     w = d.get_tensor("output_norm.weight")  # reading a mapped tensor is fine
     with pytest.raises(BlockspecError, match="read-only file mapping"):
         d.set_tensor("output_norm.weight", w * 2)
@@ -206,12 +191,12 @@ def test_bandit_updates_when_gain_is_high_and_skips_when_cost_exceeds_it():
 
 
 # ---------------------------------------------------------------------------------------- lossless session
-def test_adapt_session_is_lossless_and_updates(shipped, target):
+def test_adapt_session_is_lossless_and_updates(shipped_specblock, target):
     from blockspec.runtime.engine.generate import generate
     from blockspec.runtime.engine.setup import make_drafter
     from blockspec.runtime.llama.prompt import prompt_tokens
 
-    d = make_drafter("specblock", shipped, "ggml", block_size=4)
+    d = make_drafter("specblock", shipped_specblock, "ggml", block_size=4)
     # a large learning rate: the weights move far, so the drafts they give are unmistakably new
     cfg = AdaptConfig(prior_effect=0.5, horizon=1000.0, steps={"head": 2, "full": 1}, max_anchors=16, memory=3,
                       lr={"head": 1e-2, "full": 1e-2})
@@ -243,7 +228,7 @@ def test_adapt_session_is_lossless_and_updates(shipped, target):
     g_logits, _ = d.block_outputs(hist)
     t = len(hist) - 2
     args = (torch.from_numpy(ad.examples[-1].feats[:t + 1])[None], torch.tensor([[t]]), torch.tensor([[hist[-1]]]))
-    shipped_model, _ = read_drafter_gguf(shipped)
+    shipped_model, _ = read_drafter_gguf(shipped_specblock)
     shipped_model.bind_target(ad.model.target_embed, ad.model.target_head)
     with torch.no_grad():
         t_logits = ad.model(*args).logits[0, 0].numpy()
@@ -252,10 +237,10 @@ def test_adapt_session_is_lossless_and_updates(shipped, target):
     d.close()
 
 
-def test_update_refuses_unknown_kind(shipped, target):
+def test_update_refuses_unknown_kind(shipped_specblock, target):
     from blockspec.runtime.engine.adapt import Adapter
 
-    d = _drafter(shipped, target)
+    d = _drafter(shipped_specblock, target)
     ad = Adapter(d, target)
     with pytest.raises(BlockspecError, match="unknown update kind 'bogus'"):
         ad.update("bogus")

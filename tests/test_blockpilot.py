@@ -18,17 +18,7 @@ from prompts import PROMPTS
 
 
 @pytest.fixture(scope="module")
-def drafter_path():
-    from blockspec.runtime.engine.setup import shipped_drafter
-
-    p = shipped_drafter("specblock")
-    if p is None:
-        pytest.skip("no shipped SpecBlock drafter")
-    return p
-
-
-@pytest.fixture(scope="module")
-def labels(tmp_path_factory, smollm2_path, drafter_path):
+def labels(tmp_path_factory, smollm2_path, shipped_specblock):
     """Labels for two test prompts, written in two runs (the second resumes the first)."""
     from blockspec.models.blockpilot_data import LabelConfig, run_labels
 
@@ -36,14 +26,14 @@ def labels(tmp_path_factory, smollm2_path, drafter_path):
     prompts = d / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:2]))
     cfg = dict(method="specblock", max_tokens=6, shard_size=1, threads=1, n_ctx=512)
-    first = run_labels(smollm2_path, drafter_path, [str(prompts)], d / "labels", LabelConfig(n_prompts=1, **cfg),
+    first = run_labels(smollm2_path, shipped_specblock, [str(prompts)], d / "labels", LabelConfig(n_prompts=1, **cfg),
                        progress=False)
-    second = run_labels(smollm2_path, drafter_path, [str(prompts)], d / "labels", LabelConfig(n_prompts=2, **cfg),
+    second = run_labels(smollm2_path, shipped_specblock, [str(prompts)], d / "labels", LabelConfig(n_prompts=2, **cfg),
                         progress=False)
     return dict(dir=d / "labels", prompts=prompts, first=first, second=second, cfg=cfg)
 
 
-def test_labels_shards_and_resume(labels, smollm2_path, drafter_path):
+def test_labels_shards_and_resume(labels, smollm2_path, shipped_specblock):
     from blockspec.models.blockpilot_data import LabelConfig, load_labels, pooled_acceptance, run_labels
 
     assert labels["first"]["new_prompts"] == 1 and labels["second"]["new_prompts"] == 1  # resumed, not redone
@@ -68,7 +58,7 @@ def test_labels_shards_and_resume(labels, smollm2_path, drafter_path):
         assert sum(labels["second"][f"labels_{kind}"].values()) == n
     # a rerun with other settings refuses the dir, naming what differs
     with pytest.raises(BlockspecError, match="max_tokens"):
-        run_labels(smollm2_path, drafter_path, [str(labels["prompts"])], labels["dir"],
+        run_labels(smollm2_path, shipped_specblock, [str(labels["prompts"])], labels["dir"],
                    LabelConfig(n_prompts=2, **{**labels["cfg"], "max_tokens": 7}), progress=False)
 
 
@@ -151,7 +141,7 @@ def test_pilot_and_auto_are_lossless(target, pilot):
         assert got.stats.block_size is None  # auto chooses per step, not per request
 
 
-def test_generate_cli_pilot(pilot, drafter_path):
+def test_generate_cli_pilot(pilot, shipped_specblock):
     r = run_cli("generate", "Name three colours.", "--method", "specblock", "--block-size", "pilot",
                 "--blockpilot", str(pilot["raw"][1]), "--max-tokens", "8", "--json",
                 env={"BLOCKSPEC_THREADS": "1"})
@@ -168,7 +158,7 @@ def _pilot_gguf(path, **args):
     return str(path)
 
 
-def test_mismatches_are_one_line_errors(tmp_path, target, drafter_path):
+def test_mismatches_are_one_line_errors(tmp_path, target, shipped_specblock):
     from blockspec.runtime.engine.generate import generate
     from blockspec.runtime.engine.sampling import SamplingParams
     from blockspec.runtime.engine.setup import make_drafter, parse_block_size
@@ -195,9 +185,9 @@ def test_mismatches_are_one_line_errors(tmp_path, target, drafter_path):
     with pytest.raises(BlockspecError, match="missing GGUF key blockpilot.feature.kind"):
         make_drafter("specblock", block_size="pilot", blockpilot=str(tmp_path / "bad.gguf"))
     # a drafter with no pilot next to it: --block-size pilot says where it looked, in one line
-    lone = tmp_path / "lone" / Path(drafter_path).name
+    lone = tmp_path / "lone" / Path(shipped_specblock).name
     lone.parent.mkdir()
-    os.symlink(drafter_path, lone)
+    os.symlink(shipped_specblock, lone)
     r = run_cli("generate", "hi", "--method", "specblock", "--drafter", str(lone), "--block-size", "pilot")
     assert r.returncode == 1 and r.stderr.strip().count("\n") == 0
     assert "no BlockPilot" in r.stderr and "lone" in r.stderr

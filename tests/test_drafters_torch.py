@@ -50,13 +50,7 @@ def write_checkpoint(out: Path, seed: int = 0, **model_args) -> Path:
     return out
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    # llama.cpp and torch take turns on 2 busy cores: one torch thread avoids spinning barriers
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -39,12 +39,7 @@ TOP1 = {"f32": 0.99, "f16": 0.99, "q8_0": 0.9}  # q8_0 rounds activations: near-
 RANK_TOL = {"f32": 2e-3, "f16": 0.02, "q8_0": 0.1}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def random_specblock(seed: int, **over):
