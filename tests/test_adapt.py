@@ -199,7 +199,7 @@ def test_adapt_session_is_lossless_and_updates(shipped_specblock, target):
     d = make_drafter("specblock", shipped_specblock, "ggml", block_size=4)
     # a large learning rate: the weights move far, so the drafts they give are unmistakably new
     cfg = AdaptConfig(prior_effect=0.5, horizon=1000.0, steps={"head": 2, "full": 1}, max_anchors=16, memory=3,
-                      lr={"head": 1e-2, "full": 1e-2})
+                      min_examples=2, lr={"head": 1e-2, "full": 1e-2})
     ad = attach_adapter(d, target, cfg)
     prompts = [prompt_tokens(target, p) for p in (PROMPTS[5], PROMPTS[2], PROMPTS[15], PROMPTS[5])]
     actions = []
@@ -212,7 +212,7 @@ def test_adapt_session_is_lossless_and_updates(shipped_specblock, target):
         actions.append(a["action"])
         if i == 1:
             assert a["action"] == "head"  # a high prior and a long horizon: the update pays
-            assert a["kept"] == (a["effect"] > 0) and a["update_s"] > 0
+            assert a["update_s"] > 0 and (a["effect"] > 0 or not a["kept"])  # kept only when it helped
             ad.update("full", keep_worse=True)  # both kinds written for certain, whatever they won
             ad.update("head", keep_worse=True)
     assert actions[0] == "skip"  # one request: nothing to train on besides the held-back one
@@ -234,6 +234,29 @@ def test_adapt_session_is_lossless_and_updates(shipped_specblock, target):
         t_logits = ad.model(*args).logits[0, 0].numpy()
         s_logits = shipped_model(*args).logits[0, 0].numpy()
     assert np.abs(g_logits - t_logits).max() < 1.0 < 5.0 < np.abs(s_logits - t_logits).max()
+    d.close()
+
+
+def test_an_update_that_hurts_the_held_back_request_is_undone(shipped_specblock, target):
+    """A head update with a wrecking learning rate loses accepted tokens on the held-back request:
+    it is undone -- the ggml drafter's head and the torch copy as before, the optimizer dropped."""
+    from blockspec.runtime.engine.generate import generate
+    from blockspec.runtime.engine.setup import make_drafter
+    from blockspec.runtime.llama.prompt import prompt_tokens
+
+    d = make_drafter("specblock", shipped_specblock, "ggml", block_size=4)
+    cfg = AdaptConfig(prior_effect=0.0, steps={"head": 3, "full": 1}, lr={"head": 10.0, "full": 1e-4},
+                      min_examples=2, max_anchors=32)
+    ad = attach_adapter(d, target, cfg)  # prior 0: the bandit itself never updates
+    for p in (PROMPTS[5], PROMPTS[2]):
+        assert generate(target, prompt_tokens(target, p), max_tokens=32, drafter=d).stats.adapt["action"] == "skip"
+    head_ggml = d.get_tensor("output.weight")
+    head_torch = ad.model.vocab.lm_head.weight.detach().clone()
+    seconds, effect, kept = ad.update("head")
+    assert effect < 0 and not kept and seconds > 0
+    assert ad.updates["head"] == 0 and ad.undone["head"] == 1 and "head" not in ad._opt
+    np.testing.assert_array_equal(d.get_tensor("output.weight"), head_ggml)
+    assert torch.equal(ad.model.vocab.lm_head.weight, head_torch)
     d.close()
 
 

@@ -12,9 +12,10 @@ pass and tau, and per update kind (head-only, full) an EWMA `effect` of the acce
 block an update of that kind wins and an EWMA of its measured cost in seconds. The effect is
 measured when the update runs, on held-back blocks: the newest request is never trained on; the
 torch copy drafts its blocks (teacher-forced on the committed tokens, no target pass) before and
-after the update, and the effect is the change in the accepted prefix per block. An update whose
-effect is <= 0 is undone (the torch copy restored, nothing written to llama.cpp), so serving never
-drafts with weights that did worse on the newest request. The expected throughput gain of kind a,
+after the update, and the effect is the change in the accepted prefix per block. An update is kept
+only when that change is above `keep_z` (2) standard errors of the per-block differences; any other
+is undone (the torch copy restored, nothing written to llama.cpp), so serving does not draft with
+weights whose gain on the newest request is within noise. The expected throughput gain of kind a,
 in seconds saved over `horizon` requests, is
 
     gain(a) = effect(a) * blocks * horizon * pass_s / tau
@@ -86,7 +87,9 @@ class AdaptConfig:
     steps: dict = field(default_factory=lambda: {"head": 8, "full": 4})  # Adam steps per update
     lr: dict = field(default_factory=lambda: {"head": 1e-3, "full": 1e-4})
     rank_weight: float = 0.1  # the rank head's loss in a full update (models/train.py's default)
-    memory: int = 8  # recent requests kept as training examples
+    memory: int = 8  # recent requests kept as examples
+    min_examples: int = 4  # requests held before the first update: the newest measures, the rest train
+    keep_z: float = 2.0  # an update is kept when its gain on the held-back blocks is this many standard errors
     max_anchors: int = 64  # blocks per request per update step
     seed: int = 0
 
@@ -241,9 +244,11 @@ class Adapter:
     def update(self, kind: str, keep_worse: bool = False) -> tuple[float, float, bool] | None:
         """A few Adam steps of `kind` on the session's examples but the newest, measured on the newest
         (the accepted tokens per block its blocks gain, drafted by the torch copy before and after).
-        A gain > 0 (or `keep_worse`) writes the changed tensors into the ggml drafter in place (and,
-        full, recomputes its context); otherwise the torch copy is restored and nothing changes.
-        Returns (seconds, effect, kept), or None while fewer than two examples hold blocks."""
+        A gain above `keep_z` standard errors of the per-block differences (or `keep_worse`) writes
+        the changed tensors into the ggml drafter in place (and, full, recomputes its context);
+        otherwise the torch copy is restored and nothing changes.
+        Returns (seconds, effect, kept), or None while fewer than `min_examples` (at least two)
+        requests are held or none has a block."""
         import torch
 
         if kind not in UPDATES:
@@ -251,7 +256,7 @@ class Adapter:
         if kind not in self.bandit.available:
             raise BlockspecError("this drafter shares the target's head: there is no head of its own to update")
         t0 = time.perf_counter()
-        if len(self.examples) < 2:
+        if len(self.examples) < max(2, self.cfg.min_examples):
             return None
         *train, held = self.examples
         batches = [b for b in (self._batch(ex) for ex in train) if b is not None]
@@ -262,8 +267,9 @@ class Adapter:
         saved = [p.detach().clone() for p in params]
         before = self._accepted(val)
         (self._update_head if kind == "head" else self._update_full)(batches)
-        effect = self._accepted(val) - before
-        kept = effect > 0 or keep_worse
+        diff = self._accepted(val) - before  # per held-back block
+        effect = float(diff.mean())
+        kept = effect > self.cfg.keep_z * float(diff.std()) / math.sqrt(len(diff)) or keep_worse
         if kept:
             self._write(kind)
             self.updates[kind] += 1
@@ -277,15 +283,15 @@ class Adapter:
         self.update_s += seconds
         return seconds, effect, kept
 
-    def _accepted(self, b) -> float:
-        """Mean accepted prefix per block of batch `b` drafted greedily by the torch copy,
+    def _accepted(self, b) -> np.ndarray:
+        """Accepted prefix of each block of batch `b` drafted greedily by the torch copy,
         teacher-forced on the committed tokens."""
         import torch
 
         with torch.no_grad():
             out = self.model(b["feats"], b["anchors"], b["last"])
             match = (self.model.vocab.to_target(out.logits.argmax(-1)) == b["labels"]) & b["valid"]
-            return float(match.long().cumprod(-1).sum(-1).float().mean())
+            return match.long().cumprod(-1).sum(-1).flatten().numpy().astype(np.float64)
 
     def _batch(self, ex: _Example):
         """One request's blocks as a training batch: up to max_anchors anchors t >= first (the
