@@ -112,18 +112,12 @@ class BlockDrafter(Drafter):
         """Drafts drawn from the drafter's own laws: `branch_logits[b]` [depths, Vd] over the draft
         vocabulary (`d2t` maps its ids to the target's; None: they are the target's), each row's law
         the request's sampler chain applied to it (`sampler.law`). DraftTree.sampled shapes the tree."""
-        from blockspec.runtime.engine.sampling import Law
-
         laws = []
         for logits in branch_logits:
             rows = []
             for row in np.asarray(logits, dtype=np.float32):
                 law = sampler.law(row)
-                if d2t is not None:  # to target ids, kept ascending
-                    ids = d2t[law.ids]
-                    order = np.argsort(ids)
-                    law = Law(ids[order], law.probs[order])
-                rows.append(law)
+                rows.append(law if d2t is None else law.remap(d2t))
             laws.append(rows)
         return DraftTree.sampled(root, laws, list(widths), self.max_nodes, sampler.rng)
 

@@ -13,12 +13,8 @@ prefix plus its ancestors: node logits equal those of decoding that path alone.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from blockspec.runtime.engine.sampling import Law
 
 
 @dataclass
@@ -28,7 +24,7 @@ class DraftTree:
     # q[i]: the law (sampling.Law) node i's token was drawn from, given its parent's path and its
     # earlier siblings (runtime/engine/acceptance.py), or None where it was chosen
     # deterministically (greedy / top-k / lookup); q[0] is None
-    q: list["Law | None"] = field(default_factory=list)
+    q: list = field(default_factory=list)
 
     def __post_init__(self):
         if len(self.tokens) != len(self.parents) or not self.tokens or self.parents[0] != -1:
@@ -40,14 +36,14 @@ class DraftTree:
             self.q = [None] * len(self.tokens)
 
     @classmethod
-    def chain(cls, root: int, drafted: list[int], q: list["Law | None"] | None = None) -> "DraftTree":
+    def chain(cls, root: int, drafted: list[int], q: list | None = None) -> "DraftTree":
         """root -> d0 -> d1 ...; q[k] (optional) is the distribution d_k was drawn from."""
         tokens = [root, *drafted]
         parents = [-1, *range(len(drafted))]
         return cls(tokens, parents, [None, *q] if q is not None else [])
 
     @classmethod
-    def sampled(cls, root: int, branches: list[list["Law"]], widths: list[int], max_nodes: int,
+    def sampled(cls, root: int, branches: list[list], widths: list[int], max_nodes: int,
                 rng: np.random.Generator) -> "DraftTree":
         """A tree of drafts drawn from draft distributions, for rejection sampling.
 
@@ -159,10 +155,10 @@ class DraftTree:
         return ids, leaves
 
 
-def draw_without_replacement(q: "Law", n: int, rng: np.random.Generator) -> list[tuple[int, "Law"]]:
-    """Up to n distinct tokens from q, one at a time; each with the law it was drawn from (q with the
-    earlier ones removed, renormalised). Inverse CDF on one uniform per token."""
-    out: list[tuple[int, "Law"]] = []
+def draw_without_replacement(q, n: int, rng: np.random.Generator) -> list[tuple]:
+    """Up to n distinct tokens from q (a sampling.Law), one at a time; each with the law it was drawn
+    from (q with the earlier ones removed, renormalised). Inverse CDF on one uniform per token."""
+    out: list[tuple] = []
     law = q.normalized()
     for _ in range(n):
         if law is None:

@@ -104,6 +104,13 @@ class Law:
         """norm(max(self - q, 0)): what is left of this law after a draft from q was rejected."""
         return Law(self.ids, np.maximum(self.probs - q.at(self.ids), 0.0)).normalized()
 
+    def remap(self, ids_map: np.ndarray) -> "Law":
+        """The same law over other ids: token i becomes ids_map[i] (a draft vocabulary's d2t),
+        kept ascending."""
+        ids = ids_map[self.ids]
+        order = np.argsort(ids)
+        return Law(ids[order], self.probs[order])
+
     def without(self, token: int) -> "Law | None":
         """This law with `token` removed, renormalised (a draw without replacement)."""
         return Law(self.ids, np.where(self.ids == token, 0.0, self.probs)).normalized()
