@@ -263,7 +263,7 @@ bench-qwen: bench-tools
 # acceptance prior) finds it by the drafter's path. The recipe names the drafter paths, not their
 # contents: after retraining a drafter, delete $(TRAIN_DIR)/blockpilot-labels-<method> and rerun (a
 # label dir resumes only with the drafter file, target and settings it was started with).
-BLOCKPILOT_PROMPTS ?= 60  # as run for the stage-3 drafters (seventh session; 100 for stage 2)
+BLOCKPILOT_PROMPTS ?= 60  # as run for the stage-3 DBlast and the stage-4 SpecBlock (100 for stage 2)
 BLOCKPILOT_FEATURES ?= softmax_summary
 BLOCKPILOT_LABEL ?= measured
 BLOCKPILOT_DRAFTERS = specblock dblast
