@@ -200,6 +200,7 @@ def test_law_on_its_support_is_the_dense_computation():
         p, q = p / p.sum(), q / q.sum()
         lp, lq = Law.of(p), Law.of(q)
         np.testing.assert_array_equal(lp.at(np.arange(n)), p)
+        assert [lp[x] for x in range(n)] == p.tolist()
         r = np.maximum(p - q, 0.0)
         res = lp.residual(lq)
         if r.sum() > 0:

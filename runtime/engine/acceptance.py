@@ -33,8 +33,8 @@ Rules:
   residual gives x_1 no mass and never needs it again (tree.draw_without_replacement).
 The target distribution p is `sampling.target_law` — the same function plain decoding
 samples from, penalties and filters included — evaluated with the node's own history (the
-committed tokens plus the path to it). Laws are held by their support (sampling.Law), which
-gives the dense computation's numbers exactly.
+committed tokens plus the path to it). Laws are held by their support (sampling.Law): the
+dense computation's masses and draws, with its residuals to float rounding.
 """
 
 from __future__ import annotations

@@ -28,8 +28,9 @@ measured effect does not pay its cost stops being chosen.
 
 Updates. The session keeps its recent requests as examples: the committed tokens and the
 target taps the drafter already holds for them (GgmlBlockDrafter._feats), anchored where the target
-answered; all but the newest are trained on, the newest measures the effect. Head-only trains the draft head (the output projection over the draft vocabulary) on the
-trunk's hidden states, full trains every drafter weight; both take a few Adam steps of the
+answered; all but the newest are trained on, the newest measures the effect. Head-only trains the
+draft head (the output projection over the draft vocabulary) on the trunk's hidden states, full
+trains every drafter weight; both take a few Adam steps of the
 valid-prefix cross-entropy (models/losses.py, as models/train.py; full adds the rank head's loss)
 on a float32 torch copy of the drafter (models/checkpoint.py), which stays the master copy so
 quantisation error never accumulates. The changed tensors go into the llama.cpp drafter's weights

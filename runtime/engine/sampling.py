@@ -68,8 +68,8 @@ class DraftSampler:
 @dataclass(frozen=True)
 class Law:
     """A distribution by its support: token ids (ascending) and their probabilities (float64).
-    Every operation gives what the dense [n_vocab] vector would, bit for bit: the zeros between
-    the ids add nothing to a sum or a CDF."""
+    Every operation gives what the dense [n_vocab] vector would: masses and draws bit for bit (the
+    zeros between the ids add nothing to a CDF), renormalisations to float rounding."""
 
     ids: np.ndarray
     probs: np.ndarray
@@ -87,7 +87,8 @@ class Law:
         return np.where(self.ids[i] == ids, self.probs[i], 0.0)
 
     def __getitem__(self, token: int) -> float:
-        return float(self.at(np.array([token]))[0])
+        i = int(np.searchsorted(self.ids, token))
+        return float(self.probs[i]) if i < len(self.ids) and self.ids[i] == token else 0.0
 
     def dense(self, n_vocab: int) -> np.ndarray:
         out = np.zeros(n_vocab)
