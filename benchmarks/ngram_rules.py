@@ -1,0 +1,126 @@
+"""Our n-gram lookup against upstream's, replayed on the same greedy text (issue 14's loop gap).
+
+    .venv/bin/python benchmarks/ngram_rules.py [--n-prompts 5] [--max-tokens 256] [--threads N]
+        [--costs 1,1.72,2.25,2.66,3.04] [--json OUT]
+
+In `blockspec bench` our n-gram and upstream's llama.cpp-ngram draft on different text: ours on plain
+decoding's greedy answer (batch-invariant kernels), upstream's tool on its own kernels' answer, and an
+n-gram lookup's worth depends on how much an answer repeats itself. This replays both lookup rules on
+both texts, T = 0 (a drafted token is accepted while it equals the text's next token):
+  ours      runtime/drafters/ngram.py: the latest earlier match of the last 3 tokens, block_size
+            tokens of what followed it (a match running into the present continues by its period);
+  upstream  common_ngram_simple_draft (llama.cpp common/ngram-map.cpp, --spec-ngram-simple-size-n 3,
+            -size-m block_size): the latest match, drafted only if >= 3 tokens follow it in the
+            history, at most block_size of them.
+Per text and rule: tau, drafted tokens per target pass, and the modelled speed against plain, where a
+pass over n rows costs --costs[n-1] plain tokens (the verify-cost curve of benchmarks/verify_cost.py;
+the default is the README's 2-core figure). The upstream tool's own tau and drafted/pass on its text
+are printed beside its replay, which checks the replay.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Callable, Sequence
+
+from blockspec.runtime.drafters.ngram import NgramDrafter
+
+
+def ours(history: Sequence[int], block: int) -> list[int]:
+    return [int(t) for t in NgramDrafter(block_size=block).propose(history).tokens[1:]]
+
+
+def upstream(history: Sequence[int], block: int, n: int = 3) -> list[int]:
+    """common_ngram_simple_draft: `tokens` there is the history without its last (sampled) token."""
+    h = list(history)
+    cur = len(h) - 1
+    if cur <= n + block + 1:
+        return []
+    pat = h[len(h) - n:]
+    for j in range(cur - n - 1, 0, -1):  # the tool never matches at position 0
+        if h[j:j + n] == pat:
+            copy = min(block, cur - (j + n))
+            return h[j + n:j + n + copy] if copy >= n else []
+    return []
+
+
+def replay(texts: list[tuple[list[int], list[int]]], rule: Callable, block: int, costs: list[float]) -> dict:
+    passes = emitted = drafted = 0
+    cost = 0.0
+    for prompt, gen in texts:
+        pos = 0
+        while pos < len(gen):
+            d = rule(prompt + gen[:pos], block)
+            a = 0
+            while a < len(d) and pos + a < len(gen) and d[a] == gen[pos + a]:
+                a += 1
+            passes += 1
+            emitted += a + 1
+            drafted += len(d)
+            cost += costs[len(d)]
+            pos += a + 1
+    return dict(tau=round(emitted / passes, 3), drafted_per_pass=round(drafted / passes, 3),
+                modelled_speed=round(emitted / cost, 3))
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", default="mtbench,humaneval")
+    ap.add_argument("--n-prompts", type=int, default=5, help="of each source, as `blockspec bench`")
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--block-size", type=int, default=4)
+    ap.add_argument("--costs", default="1,1.72,2.25,2.66,3.04", help="a pass over 1, 2, ... rows in plain tokens")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    costs = [float(c) for c in a.costs.split(",")]
+    if len(costs) < a.block_size + 1:
+        ap.error(f"--costs needs {a.block_size + 1} entries (1..block_size + 1 rows)")
+
+    from blockspec.runtime.bench import peers
+    from blockspec.runtime.bench.run import METHODS, load_prompts
+    from blockspec.runtime.engine.generate import generate
+    from blockspec.runtime.engine.sampling import SamplingParams
+    from blockspec.runtime.engine.setup import open_speculative
+    from blockspec.runtime.llama.prompt import chat_tokens, render_chat
+
+    tool = peers.find_tool()
+    texts: dict[str, list] = {"ours": [], "upstream": []}
+    tool_tau = tool_passes = tool_drafted = 0
+    greedy = SamplingParams(temperature=0.0)
+    target, drafter = open_speculative(None, "ngram", block_size=a.block_size, n_threads=a.threads)
+    with target:
+        for i, msgs in enumerate(load_prompts(a.prompts, a.n_prompts)):
+            tok, text = chat_tokens(target, msgs), render_chat(target, msgs)
+            texts["ours"].append((tok, generate(target, tok, max_tokens=a.max_tokens, sampling=greedy,
+                                                drafter=drafter).tokens))
+            echo = b"".join(target.token_bytes(t, special=True) for t in tok)
+            res = peers.run_peer(tool, METHODS["llama.cpp-ngram"].peer, model=target.path,
+                                 prompt_text=peers.peer_prompt(target, text, tok), echo=echo,
+                                 max_tokens=a.max_tokens, sampling=greedy, seed=i, threads=target.n_threads,
+                                 n_ctx=target.n_ctx, block_size=a.block_size, drafter=None, timeout=600)
+            texts["upstream"].append((tok, target.tokenize(res.text, add_special=False, parse_special=True)))
+            tool_tau += res.n_tokens
+            tool_passes += res.target_passes
+            tool_drafted += res.drafted or 0
+    out = {"settings": vars(a), "tool_on_its_text": dict(tau=round(tool_tau / tool_passes, 3),
+                                                          drafted_per_pass=round(tool_drafted / tool_passes, 3))}
+    print(f"{'text':<9} {'rule':<9} {'tokens':>6} {'tau':>6} {'drafted/pass':>12} {'modelled':>8}")
+    for tname, tx in texts.items():
+        n = sum(len(g) for _, g in tx)
+        for rname, rule in (("ours", ours), ("upstream", upstream)):
+            r = replay(tx, rule, a.block_size, costs)
+            out[f"{rname}_rule_on_{tname}_text"] = dict(tokens=n, **r)
+            print(f"{tname:<9} {rname:<9} {n:>6} {r['tau']:>6.3f} {r['drafted_per_pass']:>12.3f} "
+                  f"{r['modelled_speed']:>7.3f}x")
+    t = out["tool_on_its_text"]
+    print(f"upstream's tool as run on its text: tau {t['tau']:.3f}, drafted/pass {t['drafted_per_pass']:.3f}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return out
+
+
+if __name__ == "__main__":
+    main()
