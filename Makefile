@@ -178,6 +178,32 @@ train-specblock-s4: stage3-gguf
 		--log-every 50 --distill-weight 0.5 --init $(TRAIN_DIR)/specblock-s3.q8_0.gguf --out $(TRAIN_DIR)/specblock-s4 \
 		> $(TRAIN_DIR)/specblock-s4.log 2>&1
 
+# Stage 5 (ninth session): the stage-3 data run continued to FRESH5_PROMPTS prompts (the same sources,
+# seed and workers: a rerun with a larger bound continues it; `make train-data-fresh FRESH_PROMPTS=5400`
+# is the same run), then the stage-4 SpecBlock and the stage-3 DBlast fine-tuned on all of it side by
+# side, one thread each (SpecBlock with 64 anchors per sequence as stage 4; DBlast as stage 3).
+FRESH5_PROMPTS ?= 5400
+S5_SPECBLOCK_STEPS ?= 1200
+S4_DBLAST_STEPS ?= 450
+.PHONY: stage4-gguf train-data-fresh5 train-specblock-s5 train-dblast-s4 train-stage5
+train-data-fresh5: setup
+	$(MAKE) train-data-fresh FRESH_PROMPTS=$(FRESH5_PROMPTS)
+stage4-gguf: train-specblock-s4
+	$(VENV)/bin/blockspec convert drafter $(TRAIN_DIR)/specblock-s4 $(TRAIN_DIR)/specblock-s4.q8_0.gguf \
+		--outtype q8_0 --target $(SMOLLM2)
+	$(VENV)/bin/blockspec convert drafter $(TRAIN_DIR)/dblast-s3 $(TRAIN_DIR)/dblast-s3.q8_0.gguf \
+		--outtype q8_0 --target $(SMOLLM2)
+train-specblock-s5: stage4-gguf train-data-fresh5
+	$(TRAIN) specblock --target $(SMOLLM2) --data $(FRESH_DATA_DIR) --batch-size 8 --anchors-per-seq 64 --lr 6e-4 \
+		--warmup 30 --eval-batches 16 --threads 1 --steps $(S5_SPECBLOCK_STEPS) --eval-every 400 --save-every 50 \
+		--log-every 50 --distill-weight 0.5 --init $(TRAIN_DIR)/specblock-s4.q8_0.gguf --repick-vocab --out $(TRAIN_DIR)/specblock-s5 \
+		> $(TRAIN_DIR)/specblock-s5.log 2>&1
+train-dblast-s4: stage4-gguf train-data-fresh5
+	$(TRAIN) dblast $(FRESH_COMMON) --steps $(S4_DBLAST_STEPS) --eval-every 150 --save-every 25 --log-every 20 --loss al \
+		--n-categories 4 --init $(TRAIN_DIR)/dblast-s3.q8_0.gguf --repick-vocab --out $(TRAIN_DIR)/dblast-s4 > $(TRAIN_DIR)/dblast-s4.log 2>&1
+train-stage5: stage4-gguf train-data-fresh5
+	$(MAKE) -j2 train-specblock-s5 train-dblast-s4
+
 drafters: train-specblock-s4 train-dblast-s3  # the shipped SpecBlock is stage 4, the shipped DBlast stage 3
 	mkdir -p $(DRAFTERS_DIR)
 	for d in specblock-s4 dblast-s3; do \

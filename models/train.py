@@ -100,6 +100,9 @@ class TrainConfig:
     resume: bool = _opt(True, "continue from the checkpoint in --out if there is one")
     init: str = _opt("", "fine-tune: start from this drafter (checkpoint dir or GGUF), its shape, draft "
                          "vocabulary and weights (the size options are then ignored)")
+    repick_vocab: bool = _opt(False, "with --init: re-pick the draft vocabulary (same size) from this data's "
+                                     "answers; kept tokens keep their trained head rows, new ones start from "
+                                     "the target's")
 
 FEATURE_SOURCES = ("cache", "on-the-fly")
 DEFAULT_BLOCK = {"specblock": 4, "dblast": 5}  # K / B when --block-size is 0
@@ -116,6 +119,8 @@ def check_config(c: TrainConfig) -> None:
         raise BlockspecError(f"--features {c.features!r}: expected one of {', '.join(FEATURE_SOURCES)}")
     if c.features == "cache" and not c.data:
         raise BlockspecError("--features cache needs --data DIR (a cache from `blockspec train features`)")
+    if c.repick_vocab and not c.init:
+        raise BlockspecError("--repick-vocab re-picks an --init drafter's vocabulary (a new drafter picks its own)")
     if c.qk_norm and c.method != "dblast":
         raise BlockspecError(f"--qk-norm: a DBlast option (upstream dflash's attention), not {c.method}'s")
     if c.cross_block_weight:
@@ -479,13 +484,26 @@ def train(c: TrainConfig, target=None, progress: bool = True, source=None) -> di
     if source is None:
         source = feature_source(c, target, margs["target_layers"])
     model.bind_target(target.tok_embeddings.weight, target.head_weight)
-    if margs["draft_vocab_size"] and not c.init:
+    resuming = c.resume and (out / "drafter.json").exists()
+    if margs["draft_vocab_size"] and (not c.init or (c.repick_vocab and not resuming)):
         # frequency-based draft vocabulary: the training labels (cache) or the text (on-the-fly)
         counts = source.label_counts(margs["vocab_size"])
         d2t = torch.from_numpy(np.argsort(-counts, kind="stable")[: margs["draft_vocab_size"]].copy())
-        model.vocab.set_vocab(d2t, target.head_weight)
-        coverage = float(counts[d2t.numpy()].sum() / max(1, counts.sum()))
-        print(json.dumps(dict(draft_vocab=margs["draft_vocab_size"], label_coverage=round(coverage, 4))), flush=True)
+        info = dict(draft_vocab=margs["draft_vocab_size"])
+        if c.init:  # a trained head row follows its token; a new token starts from the target's row
+            old = model.vocab.d2t.clone()
+            info["init_coverage"] = round(float(counts[old.numpy()].sum() / max(1, counts.sum())), 4)
+            old_rows = dict(zip(old.tolist(), model.vocab.lm_head.weight.detach().clone()))
+            model.vocab.set_vocab(d2t, target.head_weight)
+            with torch.no_grad():
+                for i, tok in enumerate(d2t.tolist()):
+                    if tok in old_rows:
+                        model.vocab.lm_head.weight[i] = old_rows[tok]
+            info["kept"] = len(set(old.tolist()) & set(d2t.tolist()))
+        else:
+            model.vocab.set_vocab(d2t, target.head_weight)
+        info["label_coverage"] = round(float(counts[d2t.numpy()].sum() / max(1, counts.sum())), 4)
+        print(json.dumps(info), flush=True)
     if c.feature_scale and not c.no_target_features and not c.init:
         # 1/RMS per feature dimension over up to 64 training rows, positions 1..len-1 (position 0
         # carries the attention-sink outliers); a checkpoint resumed below keeps its own scale
@@ -498,7 +516,7 @@ def train(c: TrainConfig, target=None, progress: bool = True, source=None) -> di
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=c.lr,
                             weight_decay=c.weight_decay, betas=(0.9, 0.95))
     step, history = 0, []
-    if c.resume and (out / "drafter.json").exists():
+    if resuming:
         from safetensors.torch import load_file
 
         prev = json.loads((out / "drafter.json").read_text())

@@ -124,3 +124,35 @@ def test_cli_help_and_options():
     assert "--batch-size" in spec_opts & dbl_opts
     for cmd in group.commands.values():
         assert all(p.help for p in cmd.params), [p.name for p in cmd.params if not p.help]
+
+
+def test_repick_vocab_keeps_trained_rows(tiny, tmp_path):
+    """--init --repick-vocab: the draft vocabulary is re-picked from the data's labels; a token in both
+    keeps its trained head row, a new one starts from the target's head row."""
+    from safetensors.torch import load_file, save_file
+
+    path, target, cache = tiny
+    cfg = TrainConfig(method="specblock", target=str(path), out=str(tmp_path / "a"), data=str(cache), n_layer=1,
+                      draft_vocab_size=12, steps=20, batch_size=4, anchors_per_seq=8, lr=3e-3, warmup=2,
+                      eval_every=20, eval_batches=2, save_every=1000, log_every=1000, heldout_frac=0.0,
+                      target_layers=[1, 3])
+    train(cfg, target=target, progress=False)
+    # an older vocabulary: the trained one reversed, its 4 most frequent tokens swapped for unseen ids
+    sd = load_file(str(tmp_path / "a" / "drafter.safetensors"))
+    picked = sd["vocab.d2t"].clone()
+    old = picked.flip(0).clone()
+    old[-4:] = torch.tensor([t for t in range(TINY["vocab_size"]) if t not in picked.tolist()][:4])
+    sd["vocab.d2t"], sd["vocab.lm_head.weight"] = old, sd["vocab.lm_head.weight"].flip(0).contiguous()
+    save_file(sd, str(tmp_path / "a" / "drafter.safetensors"))
+    rows = dict(zip(old.tolist(), sd["vocab.lm_head.weight"]))
+    ft = TrainConfig(**{**cfg.__dict__, "out": str(tmp_path / "b"), "init": str(tmp_path / "a"), "steps": 1,
+                        "lr": 1e-12, "warmup": 0, "min_lr": 1e-12, "repick_vocab": True})
+    train(ft, target=target, progress=False)
+    new = load_file(str(tmp_path / "b" / "drafter.safetensors"))
+    assert sorted(new["vocab.d2t"].tolist()) == sorted(picked.tolist())  # the data's most frequent labels
+    for i, tok in enumerate(new["vocab.d2t"].tolist()):
+        want = rows[tok] if tok in rows else target.head_weight[tok]
+        torch.testing.assert_close(new["vocab.lm_head.weight"][i], want.to(torch.float32), atol=1e-6, rtol=0)
+    with pytest.raises(BlockspecError, match="--repick-vocab"):
+        train(TrainConfig(**{**cfg.__dict__, "out": str(tmp_path / "c"), "repick_vocab": True}), target=target,
+              progress=False)
