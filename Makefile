@@ -181,7 +181,10 @@ train-specblock-s4: stage3-gguf
 # Stage 5 (ninth session): the stage-3 data run continued to FRESH5_PROMPTS prompts (the same sources,
 # seed and workers: a rerun with a larger bound continues it; `make train-data-fresh FRESH_PROMPTS=5400`
 # is the same run), then the stage-4 SpecBlock and the stage-3 DBlast fine-tuned on all of it side by
-# side, one thread each (SpecBlock with 64 anchors per sequence as stage 4; DBlast as stage 3).
+# side, one thread each (SpecBlock with 64 anchors per sequence as stage 4; DBlast as stage 3), each
+# with its draft vocabulary re-picked from these answers (--repick-vocab: the stage-1 vocabularies,
+# picked from chat answers, cover 85.9% (4,096) and 91.4% (8,192) of the stage-3 answers' tokens;
+# the most frequent 4,096 / 8,192 of them cover 93.1% / 97.9%).
 FRESH5_PROMPTS ?= 5400
 S5_SPECBLOCK_STEPS ?= 1200
 S4_DBLAST_STEPS ?= 450
