@@ -128,7 +128,7 @@ def test_cli_help_and_options():
 
 def test_repick_vocab_keeps_trained_rows(tiny, tmp_path):
     """--init --repick-vocab: the draft vocabulary is re-picked from the data's labels; a token in both
-    keeps its trained head row, a new one starts from the target's head row."""
+    keeps its trained head row, a new one starts at the trained rows' mean plus half its target row."""
     from safetensors.torch import load_file, save_file
 
     path, target, cache = tiny
@@ -151,7 +151,7 @@ def test_repick_vocab_keeps_trained_rows(tiny, tmp_path):
     new = load_file(str(tmp_path / "b" / "drafter.safetensors"))
     assert sorted(new["vocab.d2t"].tolist()) == sorted(picked.tolist())  # the data's most frequent labels
     for i, tok in enumerate(new["vocab.d2t"].tolist()):
-        want = rows[tok] if tok in rows else target.head_weight[tok]
+        want = rows[tok] if tok in rows else sd["vocab.lm_head.weight"].mean(0) + 0.5 * target.head_weight[tok]
         torch.testing.assert_close(new["vocab.lm_head.weight"][i], want.to(torch.float32), atol=1e-6, rtol=0)
     with pytest.raises(BlockspecError, match="--repick-vocab"):
         train(TrainConfig(**{**cfg.__dict__, "out": str(tmp_path / "c"), "repick_vocab": True}), target=target,
