@@ -434,7 +434,10 @@ class RaggedFeatures:
     def load(cls, cache_dir: str | os.PathLike, layers: Sequence[int] | None = None,
              max_tokens: int | None = None) -> "RaggedFeatures":
         """All shards (or the first ones up to `max_tokens` tokens), feature columns of `layers`
-        selected shard by shard so only the kept columns are ever held whole."""
+        selected shard by shard and copied into arrays allocated once: the peak memory is the
+        kept columns plus one shard (a concatenation at the end doubled it, which a 1.5M-token
+        cache's five taps, 8.8 GB, could not afford beside another training run)."""
+        from safetensors import safe_open
         from safetensors.numpy import load_file
 
         d = Path(cache_dir)
@@ -449,19 +452,26 @@ class RaggedFeatures:
             if missing:
                 raise ValueError(f"{d}: layers {missing} not cached (cache has {have})")
             cols = np.concatenate([np.arange(have.index(lid) * H, (have.index(lid) + 1) * H) for lid in layers])
-        parts, n = [], 0
+        sizes = []  # tokens per shard, read first: the arrays are allocated once and filled in place
         for p in shards:
+            with safe_open(str(p), "numpy") as f:
+                sizes.append(int(f.get_tensor("lengths").sum()))
+            if max_tokens and sum(sizes) >= max_tokens:
+                break
+        flat, per_seq, at = None, [], 0
+        for p, size in zip(shards, sizes):
             sh = load_file(str(p))
             if cols is not None:
-                sh["feats"] = np.ascontiguousarray(sh["feats"][:, cols])
-            parts.append(sh)
-            n += int(sh["lengths"].sum())
-            if max_tokens and n >= max_tokens:
-                break
-        flat = {k: np.concatenate([p[k] for p in parts]) for k in FEATURE_KEYS}
+                sh["feats"] = sh["feats"][:, cols]
+            if flat is None:
+                flat = {k: np.empty((sum(sizes),) + sh[k].shape[1:], sh[k].dtype) for k in FEATURE_KEYS}
+            for k in FEATURE_KEYS:
+                flat[k][at:at + size] = sh[k]
+            at += size
+            per_seq.append([sh[k] for k in ("lengths", "answer_start", "prompt_idx", "sampled")])
+            del sh
         np.maximum(flat["top_logp"], -30.0, out=flat["top_logp"])  # early caches wrote -inf in prompts
-        return cls(meta, flat, *(np.concatenate([p[k] for p in parts]) for k in ("lengths", "answer_start",
-                                                                              "prompt_idx", "sampled")))
+        return cls(meta, flat, *(np.concatenate(c) for c in zip(*per_seq)))
 
     def rows(self, idx: np.ndarray) -> dict:
         """Same contract as CachedFeatures.rows (past a row's length: its last token's values)."""
