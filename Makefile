@@ -187,7 +187,7 @@ train-specblock-s4: stage3-gguf
 # the most frequent 4,096 / 8,192 of them cover 93.1% / 97.9%).
 FRESH5_PROMPTS ?= 5400
 S5_SPECBLOCK_STEPS ?= 1200
-S4_DBLAST_STEPS ?= 350
+S4_DBLAST_STEPS ?= 600
 .PHONY: stage4-gguf train-data-fresh5 train-specblock-s5 train-dblast-s4 train-stage5
 train-data-fresh5: setup
 	$(MAKE) train-data-fresh FRESH_PROMPTS=$(FRESH5_PROMPTS)
@@ -201,9 +201,11 @@ train-specblock-s5: stage4-gguf train-data-fresh5
 		--warmup 30 --eval-batches 16 --threads 1 --steps $(S5_SPECBLOCK_STEPS) --eval-every 400 --save-every 50 \
 		--log-every 50 --distill-weight 0.5 --init $(TRAIN_DIR)/specblock-s4.q8_0.gguf --repick-vocab --out $(TRAIN_DIR)/specblock-s5 \
 		> $(TRAIN_DIR)/specblock-s5.log 2>&1
-train-dblast-s4: stage4-gguf train-data-fresh5
-	$(TRAIN) dblast $(FRESH_COMMON) --steps $(S4_DBLAST_STEPS) --eval-every 175 --save-every 25 --log-every 20 --loss al \
+train-dblast-s4: stage4-gguf train-data-fresh5  # 350 steps, then resumed to 600 (a warm restart of the cosine schedule, as run)
+	$(TRAIN) dblast $(FRESH_COMMON) --steps 350 --eval-every 175 --save-every 25 --log-every 20 --loss al \
 		--n-categories 4 --init $(TRAIN_DIR)/dblast-s3.q8_0.gguf --repick-vocab --out $(TRAIN_DIR)/dblast-s4 > $(TRAIN_DIR)/dblast-s4.log 2>&1
+	$(TRAIN) dblast $(FRESH_COMMON) --steps $(S4_DBLAST_STEPS) --eval-every 125 --save-every 25 --log-every 20 --loss al \
+		--n-categories 4 --init $(TRAIN_DIR)/dblast-s3.q8_0.gguf --repick-vocab --out $(TRAIN_DIR)/dblast-s4 >> $(TRAIN_DIR)/dblast-s4.log 2>&1
 train-stage5: stage4-gguf train-data-fresh5
 	$(MAKE) -j2 train-specblock-s5 train-dblast-s4
 
