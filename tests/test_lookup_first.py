@@ -13,7 +13,11 @@ from blockspec.runtime.errors import BlockspecError
 from blockspec.runtime.llama.prompt import prompt_tokens
 from blockspec.runtime.llama.target import Target, TargetConfig
 
-REPEAT = "Write the numbers from 1 to 30 as a Python list, then write the same list again."
+# the answer copies the prompt's code, so the lookup finds its trigrams there; where it does not (the
+# renamed functions, the start) the model drafts. Measured with the stage-5 SpecBlock / stage-4 DBlast:
+# the lookup drafted 5 of 12 / 6 of 14 steps. (A numbers list, used before, repeats no trigram at the
+# steps a better drafter stops at.)
+REPEAT = "Repeat this code exactly:\ndef add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
 
 
 @pytest.fixture(scope="module")
