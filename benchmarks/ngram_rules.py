@@ -87,7 +87,7 @@ def main(argv=None) -> dict:
 
     tool = peers.find_tool()
     texts: dict[str, list] = {"ours": [], "upstream": []}
-    tool_tau = tool_passes = tool_drafted = 0
+    tool_tokens = tool_passes = tool_drafted = 0
     greedy = SamplingParams(temperature=0.0)
     target, drafter = open_speculative(None, "ngram", block_size=a.block_size, n_threads=a.threads)
     with target:
@@ -101,10 +101,10 @@ def main(argv=None) -> dict:
                                  max_tokens=a.max_tokens, sampling=greedy, seed=i, threads=target.n_threads,
                                  n_ctx=target.n_ctx, block_size=a.block_size, drafter=None, timeout=600)
             texts["upstream"].append((tok, target.tokenize(res.text, add_special=False, parse_special=True)))
-            tool_tau += res.n_tokens
+            tool_tokens += res.n_tokens
             tool_passes += res.target_passes
             tool_drafted += res.drafted or 0
-    out = {"settings": vars(a), "tool_on_its_text": dict(tau=round(tool_tau / tool_passes, 3),
+    out = {"settings": vars(a), "tool_on_its_text": dict(tau=round(tool_tokens / tool_passes, 3),
                                                           drafted_per_pass=round(tool_drafted / tool_passes, 3))}
     print(f"{'text':<9} {'rule':<9} {'tokens':>6} {'tau':>6} {'drafted/pass':>12} {'modelled':>8}")
     for tname, tx in texts.items():
