@@ -16,6 +16,11 @@ Per text and rule: tau, drafted tokens per target pass, and the modelled speed a
 pass over n rows costs --costs[n-1] plain tokens (the verify-cost curve of benchmarks/verify_cost.py;
 the default is the README's 2-core figure). The upstream tool's own tau and drafted/pass on its text
 are printed beside its replay, which checks the replay.
+
+`--bench RESULT.json` (a `blockspec bench` result) adds the loop check: for its T = 0 `ngram` and
+`llama.cpp-ngram` rows, the measured speed over the speed the curve predicts from the row's own tau
+and drafted tokens per pass (each drafting pass taken as a full block). Equal ratios mean the two
+loops cost the same per verified row, whatever text each drafted on.
 """
 
 from __future__ import annotations
@@ -64,6 +69,20 @@ def replay(texts: list[tuple[list[int], list[int]]], rule: Callable, block: int,
                 modelled_speed=round(emitted / cost, 3))
 
 
+def loop_check(bench_json: str, block: int, costs: list[float]) -> dict:
+    """Measured / modelled speed of a bench result's T = 0 n-gram rows (module docstring)."""
+    with open(bench_json) as f:
+        runs = json.load(f)["runs"]
+    out = {}
+    for r in runs:
+        if r["temperature"] == 0 and r["method"] in ("ngram", "llama.cpp-ngram") and r.get("drafted_per_pass"):
+            f_draft = r["drafted_per_pass"] / block  # share of passes that drafted a full block
+            modelled = r["tau"] / ((1 - f_draft) * costs[0] + f_draft * costs[block])
+            out[r["method"]] = dict(measured=round(r["speedup_vs_plain"], 3), modelled=round(modelled, 3),
+                                    ratio=round(r["speedup_vs_plain"] / modelled, 3))
+    return out
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", default="mtbench,humaneval")
@@ -72,6 +91,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--block-size", type=int, default=4)
     ap.add_argument("--costs", default="1,1.72,2.25,2.66,3.04", help="a pass over 1, 2, ... rows in plain tokens")
+    ap.add_argument("--bench", default=None, help="a `blockspec bench` JSON: the loop check (module docstring)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     costs = [float(c) for c in a.costs.split(",")]
@@ -116,6 +136,10 @@ def main(argv=None) -> dict:
                   f"{r['modelled_speed']:>7.3f}x")
     t = out["tool_on_its_text"]
     print(f"upstream's tool as run on its text: tau {t['tau']:.3f}, drafted/pass {t['drafted_per_pass']:.3f}")
+    if a.bench:
+        out["loop_check"] = loop_check(a.bench, a.block_size, costs)
+        for name, r in out["loop_check"].items():
+            print(f"{name}: measured {r['measured']:.3f}x, modelled {r['modelled']:.3f}x, ratio {r['ratio']:.3f}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
