@@ -136,6 +136,9 @@ def features_cmd(target, out, layers, sources, n_seqs, max_len, shard_size, batc
 @click.option("--worker", default=0, show_default=True, help="answer the prompts with index % workers == worker")
 @click.option("--workers", default=1, show_default=True,
               help="processes sharing the run (one thread each beats one many-thread run on a shared CPU)")
+@click.option("--eval-set", is_flag=True,
+              help="answer evaluation prompts (mtbench, humaneval, JSONL files) greedily, for `train eval` only: "
+                   "training refuses the cache")
 def data_cmd(target, sources, out, layers, **opts):
     """Self-distillation data: the target answers training prompts in llama.cpp; its layer taps
     and top-k log-probs of every token are cached (resumable, atomic shards)."""

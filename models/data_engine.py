@@ -26,7 +26,7 @@ import os
 import re
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -51,6 +51,7 @@ class EngineConfig:
     threads: int = 0               # llama.cpp threads (0: all cores)
     worker: int = 0                # this process answers the prompts with index % workers == worker:
     workers: int = 1               # several one-thread workers beat one many-thread run on a shared CPU
+    eval_set: bool = False         # answer evaluation prompts for `train eval` only: the trainer refuses it
 
 
 # ------------------------------------------------------------------------------------- prompts
@@ -65,21 +66,28 @@ def _prompt_messages(conv: list[dict]) -> list[dict] | None:
     return None
 
 
+def _source_name(spec: str) -> str:
+    """`SOURCE:N` -> SOURCE."""
+    return spec.rpartition(":")[0] if re.fullmatch(r".+:\d+", spec) else spec
+
+
 def iter_prompts(sources: Sequence[str]) -> Iterator[list[dict]]:
     """Prompt messages, round-robin over the sources: `sharegpt`, `chitchat`, `pycode` (pip packages,
     the stdlib) or a JSONL file ("prompt" string or "messages" list per line; a bad line is a one-line
     error). `SOURCE:N` starts that source at its N-th record, so a new run takes fresh prompts."""
     import itertools
 
-    from blockspec.runtime.bench.run import load_prompts
+    from blockspec.runtime.bench.run import PROMPT_SETS, load_prompts
 
     from . import data
 
     its = []
     for spec in sources:
-        s, _, start = spec.rpartition(":") if re.fullmatch(r".+:\d+", spec) else (spec, "", "0")
+        s, start = _source_name(spec), spec[len(_source_name(spec)) + 1:] or "0"
         if s in data.SOURCES:
             it = (_prompt_messages(c) for c in data.SOURCES[s]())
+        elif s in PROMPT_SETS:
+            it = iter(load_prompts(s))
         else:
             if not Path(s).is_file():
                 raise BlockspecError(f"--prompts {s}: not a file, nor one of {', '.join(data.SOURCES)}")
@@ -143,6 +151,7 @@ class ShardWriter:
             old = json.loads(mp.read_text())
             keys = ("target_sha", "layers", "max_prompt", "max_new", "sample_frac", "seed", "top_k", "sources")
             diff = [k for k in keys if old.get(k) != meta.get(k)]
+            diff += ["eval_set"] * (bool(old.get("eval_set")) != bool(meta.get("eval_set")))
             if diff:
                 raise BlockspecError(f"{out}: a data run with other settings is there ({', '.join(diff)} differ); "
                                      f"use another --out")
@@ -236,6 +245,14 @@ def run_engine(target_path: str | os.PathLike, sources: Sequence[str], out_dir: 
 
     from .data import _norm, eval_prompts, first_user
 
+    from blockspec.runtime.bench.run import PROMPT_SETS
+
+    evals = [s for s in sources if _source_name(s) in PROMPT_SETS]
+    if evals and not cfg.eval_set:
+        raise BlockspecError(f"--prompts {evals[0]}: evaluation prompts are never training data "
+                             f"(--eval-set writes a cache only `blockspec train eval` reads)")
+    if cfg.eval_set:  # greedy answers: what the estimate predicts
+        cfg = replace(cfg, sample_frac=0.0)
     out = Path(out_dir)
     n_ctx_seq = cfg.max_prompt + cfg.max_new + 8
     tcfg = TargetConfig(n_ctx=cfg.n_parallel * n_ctx_seq, n_batch=max(cfg.max_prompt, cfg.n_parallel),
@@ -253,7 +270,7 @@ def run_engine(target_path: str | os.PathLike, sources: Sequence[str], out_dir: 
     if not 0 <= cfg.worker < cfg.workers:
         raise BlockspecError(f"--worker {cfg.worker}: expected 0..{cfg.workers - 1} (--workers {cfg.workers})")
     writer = ShardWriter(out, meta, cfg.shard_size, "shard_" if cfg.workers == 1 else f"shard_w{cfg.worker}_")
-    banned = eval_prompts()
+    banned = set() if cfg.eval_set else eval_prompts()
     sp = SamplingParams(temperature=1.0)  # the runtime's defaults at T = 1 (top-k 40, top-p .95, min-p .05)
     stats = dict(eval_prompts_known=len(banned), eval_dropped=0, too_long=0, unrenderable=0,
                  done_before=len(writer.done))

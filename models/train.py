@@ -446,6 +446,11 @@ def feature_source(c: TrainConfig, target, layers):
 
             raise BlockspecError(f"--data {c.data}: no feature cache there (build one with `blockspec train "
                                  f"features`, or use --features on-the-fly)")
+        if json.loads((Path(c.data) / "meta.json").read_text()).get("eval_set"):
+            from blockspec.runtime.errors import BlockspecError
+
+            raise BlockspecError(f"--data {c.data}: an evaluation set (`train data --eval-set`); it is never "
+                                 f"trained on, only `blockspec train eval` reads it")
         return data.open_feature_cache(c.data, layers)
     return data.OnlineFeatures.from_text(target, c.target, layers, sources=[s for s in c.sources.split(",") if s],
                                          n_seqs=c.n_seqs, max_len=c.max_len)
@@ -597,6 +602,8 @@ def evaluate_drafter(drafter: str, data: str, target_path: str, n_batches: int =
     if getattr(source, "answer_start", None) is None:
         raise BlockspecError(f"--data {data}: not a self-distilled cache (`blockspec train data`)")
     c = TrainConfig(method=a.model_type, batch_size=batch_size, anchors_per_seq=anchors, eval_batches=n_batches)
+    if source.meta.get("eval_set"):  # evaluation prompts: every one is held out
+        heldout_frac = 1.0
     batches = Batches(source, a.n_predict, heldout_frac, seed=0)
     res = estimate_acceptance(model, batches, c)
     return dict(drafter=str(drafter), accept=round(res["accept"], 4), tau=round(1 + res["accept"], 4),

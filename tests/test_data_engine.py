@@ -142,3 +142,20 @@ def test_workers_split_the_prompts(smollm2_path, tmp_path):
     assert [int(s["prompt_idx"]) for s in _sequences(out)] == list(range(5))
     # a single-process rerun over the same cache finds everything done
     assert _run(smollm2_path, prompts, out, n_prompts=5, max_new=4)["done_before"] == 5
+
+
+def test_eval_set_is_answered_but_never_trained_on(smollm2_path, tmp_path):
+    from blockspec.models.data_engine import EngineConfig, run_engine
+    from blockspec.models.train import TrainConfig, feature_source
+    from blockspec.runtime.errors import BlockspecError
+
+    with pytest.raises(BlockspecError, match="never training data"):
+        _run(smollm2_path, "mtbench", tmp_path / "train")
+    assert not (tmp_path / "train").exists()
+    out = tmp_path / "eval"
+    cfg = EngineConfig(n_prompts=2, n_parallel=2, max_new=4, sample_frac=0.5, threads=1, eval_set=True)
+    s = run_engine(smollm2_path, ["mtbench"], out, LAYERS, cfg, progress=False)
+    assert s["eval_dropped"] == 0 and json.loads((out / "meta.json").read_text())["eval_set"]
+    assert not any(bool(q["sampled"]) for q in _sequences(out))  # greedy: what the estimate predicts
+    with pytest.raises(BlockspecError, match="evaluation set"):
+        feature_source(TrainConfig(method="specblock", data=str(out)), None, LAYERS)
