@@ -169,6 +169,23 @@ def test_top_k_keeps_exactly_k_on_ties():
         assert np.count_nonzero(p) == k and set(np.flatnonzero(p).tolist()) == set(ids.tolist())
 
 
+def test_top_k_fast_path_is_llama_cpps_top_k():
+    """top_k_ids finds the k best in numpy where the k-th logit is not tied; it must keep the set
+    llama.cpp's own sampler keeps, best first, ties (handed to llama.cpp) included."""
+    from blockspec.runtime.llama.topk import llama_top_k, top_k_ids
+
+    rng = np.random.default_rng(3)
+    for trial in range(300):
+        x = rng.standard_normal(49152) * rng.uniform(0.5, 6)
+        if trial % 3 == 0:
+            x = np.round(x * rng.choice([1, 4, 16])) / 4  # many ties, some at the k-th place
+        x = x.astype(np.float32)
+        for k in (1, 5, 40, 200):
+            ids, ref = top_k_ids(x, k), llama_top_k(x, k)
+            assert len(ids) == k and set(ids.tolist()) == set(ref.tolist())
+            assert np.all(np.diff(x[ids]) <= 0)
+
+
 @pytest.mark.parametrize("params", [dict(temperature=0.8), dict(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0),
                                     dict(temperature=1.0, top_p=0.5, repeat_penalty=1.3)])
 def test_sample_over_the_support_is_the_dense_draw(params):

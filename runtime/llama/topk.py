@@ -29,13 +29,39 @@ def _sampler(k: int):
 
 
 def top_k_ids(logits: np.ndarray, k: int) -> np.ndarray:
-    """Token ids llama.cpp's top-k sampler keeps from float32 `logits` [n_vocab], best first."""
-    from llama_cpp import llama_cpp
+    """Token ids llama.cpp's top-k sampler keeps from float32 `logits` [n_vocab], best first.
 
+    Where fewer than k+1 logits reach the k-th largest value the kept set is unique, whatever
+    the sort, and numpy finds it among the logits near the maximum (~30 us for SmolLM2's 49k
+    against ~100 us to hand llama.cpp a token array); ties at the k-th place go to llama.cpp."""
     x = np.asarray(logits, dtype=np.float32)
     n = x.shape[0]
     if not 0 < k < n:
         return np.argsort(-x, kind="stable")
+    top = x.max()
+    near = np.flatnonzero(x >= top - _gap.get(k, np.float32(np.inf)))
+    if len(near) > k:
+        vals = x[near]
+        kth = np.partition(vals, len(vals) - k)[len(vals) - k]
+        keep = vals >= kth
+        if np.count_nonzero(keep) == k:  # no tie at the k-th place: the set is unique
+            _gap[k] = np.float32(1.5) * (top - kth) + np.float32(1e-3)
+            ids, vals = near[keep], vals[keep]
+            return ids[np.argsort(-vals, kind="stable")]
+    ids = llama_top_k(x, k)
+    _gap[k] = np.float32(1.5) * (top - x[ids[-1]]) + np.float32(1e-3)
+    return ids
+
+
+_gap: dict[int, np.float32] = {}  # k -> how far below the maximum the last k-th logit was, with room
+
+
+def llama_top_k(logits: np.ndarray, k: int) -> np.ndarray:
+    """llama.cpp's top-k sampler itself over `logits` [n_vocab] in id order: the kept ids, best first."""
+    from llama_cpp import llama_cpp
+
+    x = np.asarray(logits, dtype=np.float32)
+    n = x.shape[0]
     if n not in _ids:
         _ids[n] = np.arange(n, dtype=np.int32)
     data = np.empty(n, dtype=_TOKEN_DATA)  # (copying a prepared structured array is 4x slower)
