@@ -213,6 +213,21 @@ train-dblast-s4: stage4-gguf train-data-fresh5  # 350 steps, then resumed to 600
 train-stage5: stage4-gguf train-data-fresh5
 	$(MAKE) -j2 train-specblock-s5 train-dblast-s4
 
+# The bench's prompts as an offline evaluation set (tenth session): the target's greedy answers to all
+# 80 MT-Bench first turns and 164 HumanEval prompts, 256 tokens, with the taps every shipped drafter
+# reads. `train data --eval-set` marks the cache so training refuses it; `train eval` then scores a
+# drafter on all 244 prompts (~8,000 blocks) where the bench sees 10. As run: 12 min on one thread
+# beside a training job, 48,891 answer tokens, 469 MiB. `make eval-drafters` scores the shipped ones.
+EVAL_DIR = $(TRAIN_DIR)/eval-smollm2-bench
+.PHONY: eval-set eval-drafters
+eval-set: setup
+	$(TRAIN) data --target $(SMOLLM2) --out $(EVAL_DIR) --prompts mtbench,humaneval \
+		--eval-set --n-prompts 244 --n-parallel 64 --max-prompt 512 --max-new 256 --layers 1,8,15,22,29 --threads 1 \
+		>> $(TRAIN_DIR)/eval-smollm2-bench.log 2>&1
+eval-drafters: eval-set
+	for d in $(DRAFTERS_DIR)/smollm2-135m-*.q8_0.gguf; do \
+		$(TRAIN) eval --drafter $$d --data $(EVAL_DIR) --target $(SMOLLM2) --batches 64 || exit 1; done
+
 # Stage 6 (tenth session): stage 5 trained longer on the same data. Stage 5 saw ~0.6 of an epoch of
 # answer positions (1,200 steps x 8 rows x 64 anchors) and its held-out estimate was still rising
 # (0.65 / 0.71 / 0.77 at steps 400 / 800 / 1,200); DBlast saw ~7%. Each run fine-tunes the fp32
