@@ -62,7 +62,7 @@ class DraftSampler:
         x = np.asarray(logits, dtype=np.float32)
         k, n = self.params.top_k, x.shape[0]
         cand = np.sort(np.argpartition(-x, k - 1)[:k]) if 0 < k < n else np.arange(n)
-        return _filtered_law(x, cand, self.params)
+        return _filtered_law(x, cand[np.argsort(-x[cand], kind="stable")], self.params)
 
 
 @dataclass(frozen=True)
@@ -150,33 +150,31 @@ def target_law(logits: np.ndarray, p: SamplingParams, history: Sequence[int] = (
     n = x.shape[0]
     if p.greedy:
         return Law(np.array([int(np.argmax(x))]), np.ones(1))
-    if 0 < p.top_k < n:
-        cand = np.sort(top_k_ids(x, p.top_k))  # exactly k, ties at the k-th place as llama.cpp breaks them
+    if 0 < p.top_k < n:  # exactly k, ties at the k-th place as llama.cpp breaks them; best first
+        cand = top_k_ids(x, p.top_k)
+        cand = cand[np.lexsort((cand, -x[cand]))]  # equal logits in id order
     else:
-        cand = np.arange(n)
+        cand = np.argsort(-x, kind="stable")
     return _filtered_law(x, cand, p)
 
 
 def _filtered_law(x: np.ndarray, cand: np.ndarray, p: SamplingParams) -> Law:
-    """top-p -> min-p -> temperature over top-k's candidates `cand` (ascending ids) of logits x."""
+    """top-p -> min-p -> temperature over top-k's candidates `cand` of logits x, best first (equal
+    logits in id order, as a stable sort over the ids leaves them). Both filters then keep a prefix
+    of `cand`, so the chain is a handful of numpy calls: right after a target decode every call runs
+    from cold caches (~10-40 us each on this CPU, against ~1-5 us warm)."""
     xc = x[cand].astype(np.float64)
-    keep = np.ones(len(cand), dtype=bool)
+    m = len(cand)
     if p.top_p < 1.0 or p.min_p > 0.0:
-        q = np.exp(xc - xc.max())
-        q /= q.sum()
-        if p.top_p < 1.0:
-            order = np.argsort(-q, kind="stable")
-            cum = np.cumsum(q[order])
-            # smallest prefix whose mass reaches top_p (always at least one token)
-            cut = int(np.searchsorted(cum, p.top_p, side="left")) + 1
-            mask = np.zeros(len(cand), dtype=bool)
-            mask[order[:cut]] = True
-            keep &= mask
-        if p.min_p > 0.0:
-            keep &= q >= p.min_p * q.max()
-    z = xc[keep] / p.temperature
-    e = np.exp(z - z.max())
-    return Law(cand[keep], e / e.sum())
+        q = np.exp(xc - xc[0])  # xc[0] is the largest logit: q[0] = 1
+        if p.top_p < 1.0:  # smallest prefix whose mass reaches top_p (always at least one token)
+            cum = np.cumsum(q)
+            m = int(np.searchsorted(cum / cum[-1], p.top_p, side="left")) + 1
+        if p.min_p > 0.0:  # q >= min_p * max(q): a prefix too
+            m = min(m, int(np.count_nonzero(q >= p.min_p)))
+    e = np.exp((xc[:m] - xc[0]) / p.temperature)
+    order = np.argsort(cand[:m])
+    return Law(cand[:m][order], e[order] / e.sum())
 
 
 def draw(probs: np.ndarray, rng: np.random.Generator) -> int:
