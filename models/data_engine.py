@@ -83,7 +83,8 @@ def iter_prompts(sources: Sequence[str]) -> Iterator[list[dict]]:
 
     its = []
     for spec in sources:
-        s, start = _source_name(spec), spec[len(_source_name(spec)) + 1:] or "0"
+        s = _source_name(spec)
+        start = spec[len(s) + 1:] or "0"
         if s in data.SOURCES:
             it = (_prompt_messages(c) for c in data.SOURCES[s]())
         elif s in PROMPT_SETS:
@@ -239,13 +240,12 @@ def run_engine(target_path: str | os.PathLike, sources: Sequence[str], out_dir: 
     Returns a summary (prompts done and dropped, tokens, tokens/s, disk use)."""
     from tqdm import tqdm
 
+    from blockspec.runtime.bench.run import PROMPT_SETS
     from blockspec.runtime.llama.prompt import chat_tokens
     from blockspec.runtime.engine.sampling import SamplingParams, target_distribution
     from blockspec.runtime.llama.target import Target, TargetConfig
 
     from .data import _norm, eval_prompts, first_user
-
-    from blockspec.runtime.bench.run import PROMPT_SETS
 
     evals = [s for s in sources if _source_name(s) in PROMPT_SETS]
     if evals and not cfg.eval_set:

@@ -29,7 +29,8 @@ def _sampler(k: int):
 
 
 def top_k_ids(logits: np.ndarray, k: int) -> np.ndarray:
-    """Token ids llama.cpp's top-k sampler keeps from float32 `logits` [n_vocab], best first.
+    """Token ids llama.cpp's top-k sampler keeps from float32 `logits` [n_vocab] (all of them
+    unless 0 < k < n_vocab), best first, equal logits in id order.
 
     Where fewer than k+1 logits reach the k-th largest value the kept set is unique, whatever
     the sort, and numpy finds it among the logits near the maximum (~25 us for SmolLM2's 49k
@@ -44,15 +45,20 @@ def top_k_ids(logits: np.ndarray, k: int) -> np.ndarray:
         if len(near) > k:
             break
     else:  # NaN or +inf logits
-        return llama_top_k(x, k)
+        return _by_logit(x, llama_top_k(x, k))
     vals = x[near]
     kth = np.partition(vals, len(vals) - k)[len(vals) - k]
     keep = vals >= kth
     _gap[k] = np.float32(2) * (top - kth) + np.float32(1)
     if np.count_nonzero(keep) > k:  # a tie at the k-th place: llama.cpp's sort decides
-        return llama_top_k(x, k)
+        return _by_logit(x, llama_top_k(x, k))
     ids, vals = near[keep], vals[keep]
     return ids[np.argsort(-vals, kind="stable")]
+
+
+def _by_logit(x: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """`ids` best first, equal logits in id order (llama.cpp's partial sort leaves ties as it may)."""
+    return ids[np.lexsort((ids, -x[ids]))]
 
 
 _gap: dict[int, np.float32] = {}  # k -> how far below the maximum the last k-th logit was, with room
