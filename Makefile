@@ -370,3 +370,16 @@ blockpilot: blockpilot-labels
 				> $(TRAIN_DIR)/blockpilot-$$d-$$f.json 2> $(TRAIN_DIR)/blockpilot-$$d-$$f.log || exit 1; done; \
 		$(VENV)/bin/blockspec convert blockpilot $(TRAIN_DIR)/blockpilot-$$d-$(BLOCKPILOT_FEATURES) \
 			$(DRAFTERS_DIR)/smollm2-135m-$$d.q8_0.blockpilot.gguf || exit 1; done
+
+# Block 16 (eleventh session): the stage-6 SpecBlock grown to K = 16 (`--init ... --block-size 16`:
+# new position queries start as its 4th) and trained on the same answers with 16 anchors per answer
+# (the same 2,048 drafted rows per step as stage 6's 64 x 4). The block is causal, so the same drafter
+# drafts blocks of 4, 8 or 16 (`--block-size`); `train eval` reports tau at each. What a GPU user runs:
+# a 16-row verify costs about one token there, while on this CPU it costs ~7.
+S16_SPECBLOCK_STEPS ?= 2000
+.PHONY: train-specblock-k16
+train-specblock-k16: train-specblock-s6
+	$(TRAIN) specblock --target $(SMOLLM2) --data $(FRESH_DATA_DIR) --batch-size 8 --anchors-per-seq 16 --lr 6e-4 \
+		--warmup 30 --eval-batches 16 --threads 1 --steps $(S16_SPECBLOCK_STEPS) --eval-every 400 --save-every 50 \
+		--log-every 50 --distill-weight 0.5 --seed 3 --init $(TRAIN_DIR)/specblock-s6 --block-size 16 \
+		--out $(TRAIN_DIR)/specblock-k16 >> $(TRAIN_DIR)/specblock-k16.log 2>&1

@@ -159,11 +159,13 @@ def data_cmd(target, sources, out, layers, **opts):
 @click.option("--data", required=True, type=click.Path(exists=True), help="self-distilled cache (`train data`)")
 @click.option("--target", required=True, type=click.Path(exists=True), help="target GGUF")
 @click.option("--batches", default=32, show_default=True, help="held-out batches of 8 sequences x 16 blocks")
-def eval_cmd(drafter, data, target, batches):
-    """Held-out acceptance of a drafter on the target's own answers (what greedy serving sees)."""
+@click.option("--by-source", is_flag=True, help="also the estimate on each prompt source alone (--batches each)")
+def eval_cmd(drafter, data, target, batches, by_source):
+    """Held-out acceptance of a drafter on the target's own answers (what greedy serving sees),
+    with tau at each smaller block size the drafter can draft."""
     from .train import evaluate_drafter
 
-    click.echo(json.dumps(evaluate_drafter(drafter, data, target, n_batches=batches)))
+    click.echo(json.dumps(evaluate_drafter(drafter, data, target, n_batches=batches, by_source=by_source)))
 
 
 @train.command("blockpilot-labels")

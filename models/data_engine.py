@@ -75,6 +75,19 @@ def iter_prompts(sources: Sequence[str]) -> Iterator[list[dict]]:
     """Prompt messages, round-robin over the sources: `sharegpt`, `chitchat`, `pycode` (pip packages,
     the stdlib) or a JSONL file ("prompt" string or "messages" list per line; a bad line is a one-line
     error). `SOURCE:N` starts that source at its N-th record, so a new run takes fresh prompts."""
+    return (msgs for _, msgs in tagged_prompts(sources))
+
+
+def prompt_source_names(sources: Sequence[str], n: int) -> list[str]:
+    """The source name of each of the first n prompts `iter_prompts(sources)` yields (a cache's
+    `prompt_idx` indexes them)."""
+    import itertools
+
+    return [name for name, _ in itertools.islice(tagged_prompts(sources), n)]
+
+
+def tagged_prompts(sources: Sequence[str]) -> Iterator[tuple[str, list[dict]]]:
+    """(source name, prompt messages) in `iter_prompts`' order."""
     import itertools
 
     from blockspec.runtime.bench.run import PROMPT_SETS, load_prompts
@@ -93,8 +106,8 @@ def iter_prompts(sources: Sequence[str]) -> Iterator[list[dict]]:
             if not Path(s).is_file():
                 raise BlockspecError(f"--prompts {s}: not a file, nor one of {', '.join(data.SOURCES)}")
             it = iter(load_prompts(s))
-        its.append(itertools.islice(it, int(start), None))
-    yield from (msgs for msgs in data.round_robin(its) if msgs)
+        its.append(zip(itertools.repeat(s), itertools.islice(it, int(start), None)))
+    yield from ((s, msgs) for s, msgs in data.round_robin(its) if msgs)
 
 
 # ------------------------------------------------------------------------------------- engine

@@ -202,6 +202,11 @@ class BlockDrafter(nn.Module):
         self.register_buffer("target_embed", None, persistent=False)
         self.register_buffer("target_head", None, persistent=False)
 
+    def resize_block(self, block_size: int) -> None:
+        """Draft `block_size` (the method's block size) from now on. The shared weights carry over;
+        a method with per-position weights extends or truncates them (SpecBlock)."""
+        self.args.block_size = int(block_size)
+
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # checkpoints from before the feature scale, and exported states (scale folded into fc)
         state_dict.setdefault(prefix + "feat_scale", torch.ones_like(self.feat_scale))

@@ -86,6 +86,16 @@ class SpecBlock(BlockDrafter):
                 lin.weight[:, :H].copy_(torch.eye(H))
                 lin.weight[:, H:].normal_(0.0, 0.02 / H ** 0.5)
 
+    def resize_block(self, block_size: int) -> None:
+        """K -> block_size: position queries beyond the trained ones start as copies of the last
+        trained one (its neighbours' roles are the nearest); a smaller K keeps the first ones, which
+        draft exactly what they did (the block is causal)."""
+        old = self.pos_query.detach()
+        k = old.shape[0]
+        rows = [old[min(i, k - 1)] for i in range(int(block_size))]
+        self.pos_query = nn.Parameter(torch.stack(rows).clone())
+        super().resize_block(block_size)
+
     @staticmethod
     def shift_prev(x: torch.Tensor) -> torch.Tensor:
         """[B, N, K, H] -> the same with position k holding x[k-1] (zeros at k = 0)."""

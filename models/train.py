@@ -33,6 +33,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -99,7 +100,8 @@ class TrainConfig:
     threads: int = _opt(0, "torch threads (0: torch's default)")
     resume: bool = _opt(True, "continue from the checkpoint in --out if there is one")
     init: str = _opt("", "fine-tune: start from this drafter (checkpoint dir or GGUF), its shape, draft "
-                         "vocabulary and weights (the size options are then ignored)")
+                         "vocabulary and weights (the size options are then ignored, but --block-size "
+                         "resizes its block: SpecBlock's new position queries start as its last one)")
     repick_vocab: bool = _opt(False, "with --init: re-pick the draft vocabulary (same size) from this data's "
                                      "answers; kept tokens keep their trained head rows, new ones start at the "
                                      "trained rows' mean plus half the target's row")
@@ -196,13 +198,19 @@ class Batches:
         # every answer token weighs the same
         start = getattr(source, "answer_start", None)
         self.lo = np.zeros(n, np.int64) if start is None else np.maximum(np.asarray(start) - 1, 0)
-        self.row_p = {}
-        for k, ids in self.split.items():
-            if start is None or not len(ids):
-                self.row_p[k] = None
-            else:
-                w = np.maximum(source.lengths[ids] - 1 - self.lo[ids], 0).astype(np.float64)
-                self.row_p[k] = w / w.sum() if w.sum() else None
+        self.weighted = start is not None
+        self.row_p = {k: self._row_p(ids) for k, ids in self.split.items()}
+
+    def _row_p(self, ids: np.ndarray):
+        if not self.weighted or not len(ids):
+            return None
+        w = np.maximum(self.src.lengths[ids] - 1 - self.lo[ids], 0).astype(np.float64)
+        return w / w.sum() if w.sum() else None
+
+    def restrict(self, split: str, ids: np.ndarray) -> None:
+        """Draw `split`'s rows from `ids` alone (weighted per answer token, as built)."""
+        self.split[split] = np.asarray(ids)
+        self.row_p[split] = self._row_p(self.split[split])
 
     def get_batch(self, split: str, batch_size: int, anchors: int, rng: np.random.Generator | None = None,
                   span: int | None = None):
@@ -288,6 +296,7 @@ def estimate_acceptance(model, batches: Batches, c: TrainConfig, n_batches: int 
     m = cross_block_shift(c, P)
     rng = np.random.default_rng(12345)
     acc, match, n = 0.0, None, 0
+    hist = torch.zeros(P + 1, dtype=torch.long)  # blocks by accepted prefix length 0..P
     xacc, xmatch, xn = 0.0, torch.zeros(P), 0
     was = model.training
     model.eval()
@@ -301,6 +310,7 @@ def estimate_acceptance(model, batches: Batches, c: TrainConfig, n_batches: int 
             a = accepted_lengths(draft, b["labels"], b["data_next"], b["valid"])
             ok = b["valid"][..., 0]
             acc += float(a[ok].sum())
+            hist += torch.bincount(a[ok].reshape(-1), minlength=P + 1)
             mt = ((draft == b["labels"]) & b["valid"]).float().sum((0, 1))
             match = mt if match is None else match + mt
             n += int(ok.sum())
@@ -312,7 +322,8 @@ def estimate_acceptance(model, batches: Batches, c: TrainConfig, n_batches: int 
                 xmatch += ((draft2 == b2["labels"]) & b2["valid"]).float().sum((0, 1))
                 xn += int(ok2.sum())
     model.train(was)
-    res = dict(accept=acc / max(1, n), blocks=n, match_per_pos=(match / max(1, n)).tolist())
+    res = dict(accept=acc / max(1, n), blocks=n, match_per_pos=(match / max(1, n)).tolist(),
+               accept_hist=hist.tolist())
     if m:
         res.update(xb_accept=xacc / max(1, xn), xb_blocks=xn, xb_match_per_pos=(xmatch / max(1, xn)).tolist())
     return res
@@ -481,8 +492,10 @@ def train(c: TrainConfig, target=None, progress: bool = True, source=None) -> di
         model, _ = load_checkpoint(c.init)
         if model.args.model_type != c.method:
             raise BlockspecError(f"--init {c.init} is a {model.args.model_type} drafter, not {c.method}")
+        if c.block_size and c.block_size != model.args.block_size:
+            model.resize_block(c.block_size)
         margs = dataclasses.asdict(model.args)
-        print(json.dumps(dict(init=c.init)), flush=True)
+        print(json.dumps(dict(init=c.init, block_size=model.args.block_size)), flush=True)
     else:
         margs = make_model_args(c, target.args)
         model = build_model(margs)
@@ -578,12 +591,24 @@ def train(c: TrainConfig, target=None, progress: bool = True, source=None) -> di
     return last_eval
 
 
+def tau_by_block(hist: Sequence[int]) -> dict[int, float]:
+    """Chain tau at each power-of-two block size up to the drafter's, from the accepted-prefix
+    histogram of its full blocks: a block of b drafts accepts min(L, b) (the block is causal for
+    SpecBlock, so its first b positions draft what a b-block would; for DBlast an upper-bound
+    reading, its positions seeing the whole block)."""
+    h = np.asarray(hist, dtype=np.float64)
+    n, P = max(1.0, h.sum()), len(h) - 1
+    sizes = sorted({b for b in (1, 2, 4, 8, 16, 32) if b < P} | {P})
+    return {b: round(1 + float((np.minimum(np.arange(P + 1), b) * h).sum() / n), 4) for b in sizes}
+
+
 def evaluate_drafter(drafter: str, data: str, target_path: str, n_batches: int = 32, batch_size: int = 8,
-                     anchors: int = 16, heldout_frac: float = 0.1, target=None) -> dict:
+                     anchors: int = 16, heldout_frac: float = 0.1, target=None, by_source: bool = False) -> dict:
     """The held-out estimate of a drafter (checkpoint dir or GGUF) on a self-distilled cache: the
     same blocks `train` evaluates (held-out prompts' greedy answers, anchored in the answers, every
     answer token weighted alike). accept = expected accepted prefix of a greedy block, so the
-    chain's tau (tokens per target pass) is 1 + accept."""
+    chain's tau (tokens per target pass) is 1 + accept; tau_by_block the same at smaller blocks.
+    by_source: the same estimate on each source's held-out prompts alone (n_batches each)."""
     from blockspec.runtime.errors import BlockspecError
 
     from . import data as data_mod
@@ -605,7 +630,24 @@ def evaluate_drafter(drafter: str, data: str, target_path: str, n_batches: int =
     if source.meta.get("eval_set"):  # evaluation prompts: every one is held out
         heldout_frac = 1.0
     batches = Batches(source, a.n_predict, heldout_frac, seed=0)
-    res = estimate_acceptance(model, batches, c)
-    return dict(drafter=str(drafter), accept=round(res["accept"], 4), tau=round(1 + res["accept"], 4),
+    out = dict(drafter=str(drafter), **_estimate_summary(estimate_acceptance(model, batches, c)),
+               heldout_prompts=len(batches.split["heldout"]))
+    if by_source:
+        from .data_engine import prompt_source_names
+
+        held = batches.split["heldout"]
+        names = np.asarray(prompt_source_names(source.meta["sources"], int(source.prompt_idx.max()) + 1))
+        row_names = names[source.prompt_idx[held]]
+        out["by_source"] = {}
+        for name in dict.fromkeys(row_names.tolist()):
+            batches.restrict("heldout", held[row_names == name])
+            out["by_source"][name] = dict(**_estimate_summary(estimate_acceptance(model, batches, c)),
+                                          heldout_prompts=int((row_names == name).sum()))
+    return out
+
+
+def _estimate_summary(res: dict) -> dict:
+    return dict(accept=round(res["accept"], 4), tau=round(1 + res["accept"], 4),
                 first_token=round(res["match_per_pos"][0], 4), blocks=res["blocks"],
-                match_per_pos=[round(x, 4) for x in res["match_per_pos"]], heldout_prompts=len(batches.split["heldout"]))
+                match_per_pos=[round(x, 4) for x in res["match_per_pos"]],
+                tau_by_block=tau_by_block(res["accept_hist"]))

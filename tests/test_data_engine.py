@@ -145,17 +145,28 @@ def test_workers_split_the_prompts(smollm2_path, tmp_path):
 
 
 def test_eval_set_is_answered_but_never_trained_on(smollm2_path, tmp_path):
-    from blockspec.models.data_engine import EngineConfig, run_engine
-    from blockspec.models.train import TrainConfig, feature_source
+    from blockspec.models.data_engine import EngineConfig, prompt_source_names, run_engine
+    from blockspec.models.train import TrainConfig, evaluate_drafter, feature_source
+    from blockspec.runtime.engine.setup import shipped_drafter
     from blockspec.runtime.errors import BlockspecError
+    from blockspec.runtime.format.gguf_header import GGUFHeader
 
     with pytest.raises(BlockspecError, match="never training data"):
         _run(smollm2_path, "mtbench", tmp_path / "train")
     assert not (tmp_path / "train").exists()
     out = tmp_path / "eval"
-    cfg = EngineConfig(n_prompts=2, n_parallel=2, max_new=4, sample_frac=0.5, threads=1, eval_set=True)
-    s = run_engine(smollm2_path, ["mtbench"], out, LAYERS, cfg, progress=False)
+    drafter = shipped_drafter("specblock")
+    layers = [int(x) for x in GGUFHeader(drafter, keep=("specblock.target_layers",)).fields["specblock.target_layers"]]
+    cfg = EngineConfig(n_prompts=3, n_parallel=3, max_new=12, sample_frac=0.5, threads=1, eval_set=True)
+    s = run_engine(smollm2_path, ["mtbench", "humaneval"], out, layers, cfg, progress=False)
     assert s["eval_dropped"] == 0 and json.loads((out / "meta.json").read_text())["eval_set"]
     assert not any(bool(q["sampled"]) for q in _sequences(out))  # greedy: what the estimate predicts
     with pytest.raises(BlockspecError, match="evaluation set"):
-        feature_source(TrainConfig(method="specblock", data=str(out)), None, LAYERS)
+        feature_source(TrainConfig(method="specblock", data=str(out)), None, layers)
+    # scored on every prompt, and per source: round-robin order, mtbench first
+    assert prompt_source_names(["mtbench", "humaneval"], 3) == ["mtbench", "humaneval", "mtbench"]
+    est = evaluate_drafter(drafter, str(out), str(smollm2_path), n_batches=2, by_source=True)
+    assert est["heldout_prompts"] == 3
+    assert {k: v["heldout_prompts"] for k, v in est["by_source"].items()} == {"mtbench": 2, "humaneval": 1}
+    taus = list(est["tau_by_block"].values())
+    assert list(est["tau_by_block"]) == [1, 2, 4] and taus == sorted(taus) and taus[-1] == est["tau"]

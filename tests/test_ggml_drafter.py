@@ -154,6 +154,8 @@ def drafters(tmp_path_factory, smollm2_path):
         out[ot] = (write_gguf(m, root / f"sb-{ot}.gguf", ot, smollm2_path), _stored(m, ot))
     shared = random_specblock(1, draft_vocab_size=0)
     out["shared"] = (write_gguf(shared, root / "sb-shared.gguf", "f32", smollm2_path), shared)
+    k16 = random_specblock(2, draft_vocab_size=1024, block_size=16)
+    out["k16"] = (write_gguf(k16, root / "sb-k16.gguf", "f32", smollm2_path), k16)
     return out
 
 
@@ -232,6 +234,25 @@ def test_block_logits_match_torch(target, taps, drafters, outtype):
             assert gd.to_target(g.argmax(-1)).tolist() == want
         hist = res[-1][4]  # the drafters are in step with the last history
         assert gd.propose(hist).tokens == td.propose(hist).tokens == [hist[-1], *want]
+    gd.close()
+
+
+@pytest.mark.parametrize("block_size", [16, 8])
+def test_long_block_matches_torch(target, taps, drafters, block_size):
+    """A K = 16 drafter (what GPU users run) in llama.cpp: the whole block, and its first 8 rows
+    when drafting blocks of 8, are torch's (f32)."""
+    from blockspec.runtime.drafters.ggml_backend import GgmlSpecBlockDrafter
+
+    path, ref = drafters["k16"]
+    gd = GgmlSpecBlockDrafter(path, block_size=block_size, kv_type="f32", n_ctx=128)
+    gd.check_target(target)
+    assert gd.n_predict == 16
+    res = _run_both(gd, _bind_torch(ref, target), *taps)
+    gl = np.concatenate([r[0] for r in res])
+    tl = np.concatenate([r[1][:block_size] for r in res])
+    assert gl.shape == tl.shape == (len(res) * block_size, 1024)
+    assert float(np.abs(gl - tl).max()) <= TOL["f32"]
+    assert float((gl.argmax(-1) == tl.argmax(-1)).mean()) >= TOP1["f32"]
     gd.close()
 
 

@@ -173,3 +173,29 @@ def test_checkpoint_state_excludes_target_weights():
     assert not any(k.startswith("target_") for k in sd)
     m2 = build_model(CONFIGS["specblock"])
     m2.load_state_dict(sd)
+
+
+def test_resized_specblock_drafts_its_trained_positions_unchanged():
+    """--init ... --block-size: a grown SpecBlock's first K positions draft what the K-block did
+    (the block is causal), and a truncated one is the grown one's prefix."""
+    m = make("specblock")
+    a = m.args
+    feats = torch.randn(1, 10, len(a.target_layers) * TD)
+    anchors, last = torch.tensor([[2, 7]]), torch.randint(0, V, (1, 2))
+    k4 = m(feats, anchors, last).logits
+    m.resize_block(8)
+    assert m.args.n_predict == 8 and m.pos_query.shape[0] == 8
+    k8 = m(feats, anchors, last).logits
+    torch.testing.assert_close(k8[:, :, :4], k4, atol=1e-5, rtol=1e-5)
+    m.resize_block(2)
+    torch.testing.assert_close(m(feats, anchors, last).logits, k8[:, :, :2], atol=1e-5, rtol=1e-5)
+
+
+def test_tau_by_block_reads_the_accepted_prefix_histogram():
+    from blockspec.models.train import tau_by_block
+
+    lengths = torch.randint(0, 9, (500,))
+    t = tau_by_block(torch.bincount(lengths, minlength=9).tolist())
+    assert list(t) == [1, 2, 4, 8]
+    for b, tau in t.items():
+        assert abs(tau - (1 + lengths.clamp(max=b).float().mean().item())) < 1e-4
