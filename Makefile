@@ -227,7 +227,7 @@ eval-set: setup
 		>> $(TRAIN_DIR)/eval-smollm2-bench.log 2>&1
 eval-drafters: eval-set
 	for d in $(DRAFTERS_DIR)/smollm2-135m-*.q8_0.gguf; do \
-		$(TRAIN) eval --drafter $$d --data $(EVAL_DIR) --target $(SMOLLM2) --batches 64 || exit 1; done
+		$(TRAIN) eval --drafter $$d --data $(EVAL_DIR) --target $(SMOLLM2) --batches 64 --by-source || exit 1; done
 
 # Stage 6 (tenth session): stage 5 trained longer on the same data. Stage 5 saw ~0.6 of an epoch of
 # answer positions (1,200 steps x 8 rows x 64 anchors) and its held-out estimate was still rising

@@ -163,9 +163,11 @@ def data_cmd(target, sources, out, layers, **opts):
 def eval_cmd(drafter, data, target, batches, by_source):
     """Held-out acceptance of a drafter on the target's own answers (what greedy serving sees),
     with tau at each smaller block size the drafter can draft."""
+    from .data_engine import prompt_source_names
     from .train import evaluate_drafter
 
-    click.echo(json.dumps(evaluate_drafter(drafter, data, target, n_batches=batches, by_source=by_source)))
+    click.echo(json.dumps(evaluate_drafter(drafter, data, target, n_batches=batches,
+                                           by_source=prompt_source_names if by_source else None)))
 
 
 @train.command("blockpilot-labels")

@@ -33,7 +33,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -603,12 +603,14 @@ def tau_by_block(hist: Sequence[int]) -> dict[int, float]:
 
 
 def evaluate_drafter(drafter: str, data: str, target_path: str, n_batches: int = 32, batch_size: int = 8,
-                     anchors: int = 16, heldout_frac: float = 0.1, target=None, by_source: bool = False) -> dict:
+                     anchors: int = 16, heldout_frac: float = 0.1, target=None,
+                     by_source: Callable[[Sequence[str], int], list[str]] | None = None) -> dict:
     """The held-out estimate of a drafter (checkpoint dir or GGUF) on a self-distilled cache: the
     same blocks `train` evaluates (held-out prompts' greedy answers, anchored in the answers, every
     answer token weighted alike). accept = expected accepted prefix of a greedy block, so the
     chain's tau (tokens per target pass) is 1 + accept; tau_by_block the same at smaller blocks.
-    by_source: the same estimate on each source's held-out prompts alone (n_batches each)."""
+    by_source: the same estimate on each source's held-out prompts alone (n_batches each), the
+    source of each prompt index named by by_source(cache sources, n) (data_engine.prompt_source_names)."""
     from blockspec.runtime.errors import BlockspecError
 
     from . import data as data_mod
@@ -632,11 +634,9 @@ def evaluate_drafter(drafter: str, data: str, target_path: str, n_batches: int =
     batches = Batches(source, a.n_predict, heldout_frac, seed=0)
     out = dict(drafter=str(drafter), **_estimate_summary(estimate_acceptance(model, batches, c)),
                heldout_prompts=len(batches.split["heldout"]))
-    if by_source:
-        from .data_engine import prompt_source_names
-
+    if by_source is not None:
         held = batches.split["heldout"]
-        names = np.asarray(prompt_source_names(source.meta["sources"], int(source.prompt_idx.max()) + 1))
+        names = np.asarray(by_source(source.meta["sources"], int(source.prompt_idx.max()) + 1))
         row_names = names[source.prompt_idx[held]]
         out["by_source"] = {}
         for name in dict.fromkeys(row_names.tolist()):

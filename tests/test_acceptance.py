@@ -7,7 +7,8 @@ import pytest
 from scipy import stats as sps
 
 from blockspec.runtime.engine.acceptance import accept, accept_greedy, accept_sampled
-from blockspec.runtime.engine.sampling import Law, SamplingParams, target_distribution
+from blockspec.runtime.engine.sampling import Law, SamplingParams, chain_law, target_distribution, target_law
+from blockspec.runtime.errors import BlockspecError
 from blockspec.runtime.drafters.tree import DraftTree
 
 V = 6
@@ -126,9 +127,7 @@ def _full_vocab_distribution(x, p):
     n = x.shape[0]
     keep = np.ones(n, dtype=bool)
     if 0 < p.top_k < n:  # llama.cpp's top-k: exactly k, its partial sort breaking ties
-        from blockspec.runtime.llama.topk import top_k_ids
-
-        keep &= np.isin(np.arange(n), top_k_ids(x.astype(np.float32), p.top_k))
+        keep &= np.isin(np.arange(n), _llama_top_k(x.astype(np.float32), p.top_k))
     q = np.where(keep, np.exp(x - x[keep].max()), 0.0)
     q /= q.sum()
     if p.top_p < 1.0:
@@ -154,26 +153,38 @@ def test_target_distribution_equals_full_vocabulary_chain(top_k, top_p, min_p):
                                        rtol=1e-12, atol=1e-15)
 
 
+def _llama_top_k(x: np.ndarray, k: int) -> np.ndarray:
+    """llama.cpp's top-k sampler itself over float32 logits in id order (as its samplers see
+    them), through ctypes: the kept ids."""
+    import ctypes
+
+    from llama_cpp import llama_cpp
+
+    data = np.empty(len(x), dtype=[("id", np.int32), ("logit", np.float32), ("p", np.float32)])
+    data["id"], data["logit"], data["p"] = np.arange(len(x)), x, 0.0
+    arr = llama_cpp.llama_token_data_array(data=data.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)),
+                                           size=len(x), selected=-1, sorted=False)
+    smpl = llama_cpp.llama_sampler_init_top_k(k)
+    llama_cpp.llama_sampler_apply(smpl, ctypes.byref(arr))
+    llama_cpp.llama_sampler_free(smpl)
+    return data["id"][:arr.size].copy()
+
+
 def test_top_k_keeps_exactly_k_on_ties():
     """Top-k keeps exactly k candidates when logits tie at the k-th place (llama.cpp's own top-k
     decides which of the tied tokens stay); the rest of the chain then sees those k only."""
-    from blockspec.runtime.llama.topk import top_k_ids
-
     x = np.zeros(1000, dtype=np.float32)
     x[[3, 500, 999]] = 2.0  # three clear winners, then 997 tokens tied at 0
     for k in (1, 3, 5, 40):
-        ids = top_k_ids(x, k)
-        assert len(ids) == k and len(set(ids.tolist())) == k
-        assert set(ids[:min(k, 3)].tolist()) <= {3, 500, 999}
-        p = target_distribution(x, SamplingParams(temperature=1.0, top_k=k, top_p=1.0, min_p=0.0))
-        assert np.count_nonzero(p) == k and set(np.flatnonzero(p).tolist()) == set(ids.tolist())
+        law = target_law(x, SamplingParams(temperature=1.0, top_k=k, top_p=1.0, min_p=0.0))
+        assert len(law.ids) == k and set(law.ids.tolist()) == set(_llama_top_k(x, k).tolist())
+        assert set(law.ids.tolist()) >= {3, 500, 999} if k >= 3 else set(law.ids.tolist()) <= {3, 500, 999}
 
 
-def test_top_k_fast_path_is_llama_cpps_top_k():
-    """top_k_ids finds the k best in numpy where the k-th logit is not tied; it must keep the set
-    llama.cpp's own sampler keeps, best first, ties (handed to llama.cpp) included."""
-    from blockspec.runtime.llama.topk import llama_top_k, top_k_ids
-
+def test_top_k_is_llama_cpps_top_k():
+    """The chain (patch 0010) finds the k best among the logits near the maximum where the k-th
+    logit is not tied and hands ties to llama.cpp's top-k: either way it keeps the set llama.cpp's
+    own sampler keeps, on real-vocabulary-sized logits, with many ties at the k-th place."""
     rng = np.random.default_rng(3)
     for trial in range(300):
         x = rng.standard_normal(49152) * rng.uniform(0.5, 6)
@@ -181,9 +192,13 @@ def test_top_k_fast_path_is_llama_cpps_top_k():
             x = np.round(x * rng.choice([1, 4, 16])) / 4  # many ties, some at the k-th place
         x = x.astype(np.float32)
         for k in (1, 5, 40, 200):
-            ids, ref = top_k_ids(x, k), llama_top_k(x, k)
-            assert len(ids) == k and set(ids.tolist()) == set(ref.tolist())
-            assert np.all(np.diff(x[ids]) <= 0)
+            law = target_law(x, SamplingParams(temperature=1.0, top_k=k, top_p=1.0, min_p=0.0))
+            assert len(law.ids) == k and set(law.ids.tolist()) == set(_llama_top_k(x, k).tolist())
+
+
+def test_bad_chain_arguments_fail_in_one_line():
+    with pytest.raises(BlockspecError, match="sampling over 3 logits failed"):
+        chain_law(np.zeros(3, np.float32), SamplingParams(temperature=-1.0))
 
 
 @pytest.mark.parametrize("params", [dict(temperature=0.8), dict(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0),
@@ -230,20 +245,3 @@ def test_law_on_its_support_is_the_dense_computation():
         rest[tok] = 0
         if rest.sum() > 0:
             np.testing.assert_allclose(lp.without(tok).dense(n), rest / rest.sum(), rtol=1e-12, atol=1e-15)
-
-
-@pytest.mark.parametrize("params", [dict(temperature=0.8), dict(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0),
-                                    dict(temperature=1.0, top_k=7, top_p=0.5, min_p=0.1)])
-def test_draft_law_is_the_target_chain_without_ties(params):
-    """A drafter's law (DraftSampler.law: top-k by numpy's partition) is the target's sampler chain
-    wherever no logits tie at the k-th place."""
-    from blockspec.runtime.engine.sampling import DraftSampler, target_law
-
-    rs = np.random.default_rng(2)
-    p = SamplingParams(**params)
-    s = DraftSampler(p, rs)
-    for _ in range(50):
-        x = (rs.standard_normal(4096) * 3).astype(np.float32)
-        a, b = s.law(x), target_law(x, p)
-        np.testing.assert_array_equal(a.ids, b.ids)
-        np.testing.assert_array_equal(a.probs, b.probs)

@@ -165,7 +165,7 @@ def test_eval_set_is_answered_but_never_trained_on(smollm2_path, tmp_path):
         feature_source(TrainConfig(method="specblock", data=str(out)), None, layers)
     # scored on every prompt, and per source: round-robin order, mtbench first
     assert prompt_source_names(["mtbench", "humaneval"], 3) == ["mtbench", "humaneval", "mtbench"]
-    est = evaluate_drafter(drafter, str(out), str(smollm2_path), n_batches=2, by_source=True)
+    est = evaluate_drafter(drafter, str(out), str(smollm2_path), n_batches=2, by_source=prompt_source_names)
     assert est["heldout_prompts"] == 3
     assert {k: v["heldout_prompts"] for k, v in est["by_source"].items()} == {"mtbench": 2, "humaneval": 1}
     taus = list(est["tau_by_block"].values())

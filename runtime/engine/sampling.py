@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 
 from blockspec.runtime.errors import BlockspecError
-from blockspec.runtime.llama.topk import top_k_ids
+from blockspec.runtime.llama.ext import blockspec_sampling_law
 
 
 @dataclass(frozen=True)
@@ -56,13 +56,7 @@ class DraftSampler:
         self.params, self.rng = params, rng
 
     def law(self, logits: np.ndarray) -> "Law":
-        """The chain over the drafter's logits, top-k by numpy's partition: q only has to be the
-        law the draft is drawn from, so which tied token top-k keeps is free here (llama.cpp's own
-        top-k costs ~70 us a row through ctypes, a large share of a block's drafting)."""
-        x = np.asarray(logits, dtype=np.float32)
-        k, n = self.params.top_k, x.shape[0]
-        cand = np.sort(np.argpartition(-x, k - 1)[:k]) if 0 < k < n else np.arange(n)
-        return _filtered_law(x, cand[np.argsort(-x[cand], kind="stable")], self.params)
+        return chain_law(logits, self.params)
 
 
 @dataclass(frozen=True)
@@ -141,35 +135,29 @@ def target_distribution(logits: np.ndarray, p: SamplingParams, history: Sequence
 
 def target_law(logits: np.ndarray, p: SamplingParams, history: Sequence[int] = ()) -> Law:
     """The law the target samples from, by its support (one token when greedy). The logits stay
-    float32, as llama.cpp's samplers see them, through the penalty and top-k.
-
-    Everything after top-k works on top-k's candidates only (all tokens when top-k is off),
-    best first with equal logits in id order, so ties break as over the whole vocabulary: a
-    full-vocabulary sort per token cost ~3 ms (a sixth of a SmolLM2 token)."""
+    float32, as llama.cpp's samplers see them, through the penalty and top-k."""
     x = penalize(np.asarray(logits, dtype=np.float32), history, p)
     if p.greedy:
         return Law(np.array([int(np.argmax(x))]), np.ones(1))
-    # exactly k (all without top-k), ties at the k-th place as llama.cpp breaks them; best first
-    return _filtered_law(x, top_k_ids(x, p.top_k), p)
+    return chain_law(x, p)
 
 
-def _filtered_law(x: np.ndarray, cand: np.ndarray, p: SamplingParams) -> Law:
-    """top-p -> min-p -> temperature over top-k's candidates `cand` of logits x, best first (equal
-    logits in id order, as a stable sort over the ids leaves them). Both filters then keep a prefix
-    of `cand`, so the chain is a handful of numpy calls: right after a target decode every call runs
-    from cold caches (~10-40 us each on this CPU, against ~1-5 us warm)."""
-    xc = x[cand].astype(np.float64)
-    m = len(cand)
-    if p.top_p < 1.0 or p.min_p > 0.0:
-        q = np.exp(xc - xc[0])  # xc[0] is the largest logit: q[0] = 1
-        if p.top_p < 1.0:  # smallest prefix whose mass reaches top_p (always at least one token)
-            cum = np.cumsum(q)
-            m = int(np.searchsorted(cum / cum[-1], p.top_p, side="left")) + 1
-        if p.min_p > 0.0:  # q >= min_p * max(q): a prefix too
-            m = min(m, int(np.count_nonzero(q >= p.min_p)))
-    e = np.exp((xc[:m] - xc[0]) / p.temperature)
-    order = np.argsort(cand[:m])
-    return Law(cand[:m][order], e[order] / e.sum())
+def chain_law(logits: np.ndarray, p: SamplingParams) -> Law:
+    """top-k -> top-p -> min-p -> temperature over float32 logits, in one llama.cpp call (patch
+    0010, blockspec_sampling_law): exactly k candidates (all without top-k), ties at the k-th place
+    broken by llama.cpp's own top-k; then over them best first, equal logits in id order, top-p and
+    min-p each keep a prefix, and the tempered softmax is taken in float64. One call because right
+    after a target decode every numpy call runs from cold caches: the same chain in numpy took
+    ~320 us a token there."""
+    x = np.ascontiguousarray(logits, dtype=np.float32)
+    n = x.shape[0]
+    cap = p.top_k if 0 < p.top_k < n else n
+    ids, probs = np.empty(cap, np.int32), np.empty(cap, np.float64)
+    m = blockspec_sampling_law(x.ctypes.data, n, p.top_k, p.top_p, p.min_p, p.temperature,
+                               ids.ctypes.data, probs.ctypes.data, cap)
+    if m <= 0:
+        raise BlockspecError(f"sampling over {n} logits failed (top-k {p.top_k}, temperature {p.temperature})")
+    return Law(ids[:m], probs[:m])
 
 
 def draw(probs: np.ndarray, rng: np.random.Generator) -> int:

@@ -13,7 +13,7 @@ import ctypes
 from llama_cpp import llama_cpp as _raw
 
 # runtime needs at least this BLOCKSPEC_EXT_ABI level from the library
-REQUIRED_ABI = 4
+REQUIRED_ABI = 5
 
 _lib = _raw._lib
 _ctx_p = _raw.llama_context_p_ctypes
@@ -98,6 +98,14 @@ blockspec_model_set_tensor = _bind(
 blockspec_model_get_tensor = _bind(
     "blockspec_model_get_tensor", [_model_p, ctypes.c_char_p, ctypes.POINTER(ctypes.c_float), ctypes.c_int64],
     ctypes.c_int64)
+
+# int32_t blockspec_sampling_law(const float * x, int32_t n, int32_t top_k, double top_p, double min_p,
+#                                double temp, int32_t * ids, double * probs, int32_t cap);
+# (patch 0010: the target's top-k -> top-p -> min-p -> temperature law; m kept ids ascending, or < 0)
+blockspec_sampling_law = _bind(
+    "blockspec_sampling_law",
+    [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_double, ctypes.c_double, ctypes.c_double,
+     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32], ctypes.c_int32)
 
 
 def check_abi() -> int:
