@@ -594,8 +594,8 @@ def train(c: TrainConfig, target=None, progress: bool = True, source=None) -> di
 def tau_by_block(hist: Sequence[int]) -> dict[int, float]:
     """Chain tau at each power-of-two block size up to the drafter's, from the accepted-prefix
     histogram of its full blocks: a block of b drafts accepts min(L, b) (the block is causal for
-    SpecBlock, so its first b positions draft what a b-block would; for DBlast an upper-bound
-    reading, its positions seeing the whole block)."""
+    SpecBlock, so its first b positions draft what a b-block would; for DBlast, whose positions
+    all see the whole block, only an approximation of a b-block's)."""
     h = np.asarray(hist, dtype=np.float64)
     n, P = max(1.0, h.sum()), len(h) - 1
     sizes = sorted({b for b in (1, 2, 4, 8, 16, 32) if b < P} | {P})
