@@ -190,6 +190,8 @@ train-specblock-s4: stage3-gguf
 # answer tokens here; the re-picked ones 92.0% / 97.0%, keeping 2,653 / 5,240 tokens). As run: SpecBlock
 # 1,200 steps in 32 min; DBlast 350 steps in 18 min, then resumed to 600; accepted tokens per block
 # on the data's 427 held-out prompts (`blockspec train eval`) 0.598 -> 0.685 and 0.348 -> 0.375.
+# Eleventh session, at its end: `make train-data-fresh FRESH_PROMPTS=9000` started in the background
+# (more answers for a stage 8 or a from-scratch run; rerun the same command to continue it).
 FRESH5_PROMPTS ?= 5400
 S5_SPECBLOCK_STEPS ?= 1200
 S4_DBLAST_STEPS ?= 600
