@@ -182,9 +182,9 @@ def test_top_k_keeps_exactly_k_on_ties():
 
 
 def test_top_k_is_llama_cpps_top_k():
-    """The chain (patch 0010) finds the k best among the logits near the maximum where the k-th
-    logit is not tied and hands ties to llama.cpp's top-k: either way it keeps the set llama.cpp's
-    own sampler keeps, on real-vocabulary-sized logits, with many ties at the k-th place."""
+    """The chain (patch 0010) finds the k best from block maxima where the k-th logit is not tied
+    and hands ties to llama.cpp's top-k: either way it keeps the set llama.cpp's own sampler keeps,
+    on real-vocabulary-sized logits, with many ties at the k-th place."""
     rng = np.random.default_rng(3)
     for trial in range(300):
         x = rng.standard_normal(49152) * rng.uniform(0.5, 6)
