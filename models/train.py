@@ -117,6 +117,9 @@ def check_config(c: TrainConfig) -> None:
     if c.method not in DEFAULT_BLOCK:
         raise BlockspecError(f"unknown drafter method {c.method!r} (known: {', '.join(DEFAULT_BLOCK)})")
     block_size = c.block_size or DEFAULT_BLOCK[c.method]
+    least = 2 if c.method == "dblast" else 1  # DBlast's block holds the last token, then the drafted ones
+    if c.block_size < 0 or block_size < least:
+        raise BlockspecError(f"--block-size {c.block_size}: expected at least {least} (0: the method's default)")
     if c.features not in FEATURE_SOURCES:
         raise BlockspecError(f"--features {c.features!r}: expected one of {', '.join(FEATURE_SOURCES)}")
     if c.features == "cache" and not c.data:

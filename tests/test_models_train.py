@@ -156,3 +156,8 @@ def test_repick_vocab_keeps_trained_rows(tiny, tmp_path):
     with pytest.raises(BlockspecError, match="--repick-vocab"):
         train(TrainConfig(**{**cfg.__dict__, "out": str(tmp_path / "c"), "repick_vocab": True}), target=target,
               progress=False)
+    for method, bad in (("specblock", -1), ("dblast", 1)):  # one line, nothing written
+        with pytest.raises(BlockspecError, match=f"--block-size {bad}: expected at least"):
+            train(TrainConfig(**{**cfg.__dict__, "method": method, "out": str(tmp_path / "d"), "block_size": bad}),
+                  target=target, progress=False)
+        assert not (tmp_path / "d").exists()
