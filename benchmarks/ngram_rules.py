@@ -1,14 +1,18 @@
 """Our n-gram lookup against upstream's, replayed on the same greedy text (issue 14's loop gap).
 
     .venv/bin/python benchmarks/ngram_rules.py [--n-prompts 5] [--max-tokens 256] [--threads N]
-        [--costs 1,1.72,2.25,2.66,3.04] [--json OUT]
+        [--costs 1,1.72,2.25,2.66,3.04,3.48,3.93,4.37,4.9] [--json OUT]
+    .venv/bin/python benchmarks/ngram_rules.py --cache DIR [--n-answers 600]   # training answers, no target run
 
 In `blockspec bench` our n-gram and upstream's llama.cpp-ngram draft on different text: ours on plain
 decoding's greedy answer (batch-invariant kernels), upstream's tool on its own kernels' answer, and an
 n-gram lookup's worth depends on how much an answer repeats itself. This replays both lookup rules on
 both texts, T = 0 (a drafted token is accepted while it equals the text's next token):
-  ours      runtime/drafters/ngram.py: the latest earlier match of the last 3 tokens, block_size
-            tokens of what followed it (a match running into the present continues by its period);
+  ours      runtime/drafters/ngram.py: of the latest 8 earlier matches of the last 3 tokens, the one
+            agreeing furthest back; block_size tokens of what followed it (a match running into
+            the present continues by its period);
+  ours-auto the same lookup drafting up to 8 tokens, cut by --block-size auto's policy
+            (runtime/engine/policy.py) per match-length class, its pass times set to --costs;
   upstream  common_ngram_simple_draft (llama.cpp common/ngram-map.cpp, --spec-ngram-simple-size-n 3,
             -size-m block_size): the latest match, drafted only if >= 3 tokens follow it in the
             history, at most block_size of them.
@@ -21,6 +25,10 @@ are printed beside its replay, which checks the replay.
 `llama.cpp-ngram` rows, the measured speed over the speed the curve predicts from the row's own tau
 and drafted tokens per pass (each drafting pass taken as a full block). Equal ratios mean the two
 loops cost the same per verified row, whatever text each drafted on.
+
+`--cache DIR` (a `blockspec train data` cache) replays the rules on the target's greedy answers to
+training prompts instead (the first --n-answers of them; nothing is generated): how the lookup's
+rules were chosen without looking at the bench's prompts.
 """
 
 from __future__ import annotations
@@ -50,6 +58,33 @@ def upstream(history: Sequence[int], block: int, n: int = 3) -> list[int]:
     return []
 
 
+class OursAuto:
+    """The n-gram drafter under --block-size auto, its verify times taken from the cost curve."""
+
+    def __init__(self, costs: list[float]):
+        from blockspec.runtime.engine.policy import DepthPolicy
+        from blockspec.runtime.engine.setup import AUTO_NGRAM_DEPTH
+        from blockspec.runtime.engine.speculative import LOOKUP_PRIOR_WEIGHT
+
+        self.depth, self.weight = AUTO_NGRAM_DEPTH, LOOKUP_PRIOR_WEIGHT
+        self.drafter = NgramDrafter(block_size=self.depth)
+        self.policy = DepthPolicy(self.depth)
+        self.policy.verify_s = {n + 1: c for n, c in enumerate(costs[:self.depth + 1])}
+        self.kind = None
+
+    def __call__(self, history: Sequence[int], block: int) -> list[int]:
+        tree = self.drafter.propose(history)
+        self.kind = tree.kind
+        if len(tree) == 1:
+            return []
+        k = self.policy.depth(tree.kind, len(tree) - 1, tree.prior, self.weight)
+        return [int(t) for t in tree.tokens[1:k + 1]]
+
+    def feedback(self, drafted: int, accepted: int) -> None:
+        if drafted:
+            self.policy.kinds[self.kind].record(drafted, accepted)
+
+
 def replay(texts: list[tuple[list[int], list[int]]], rule: Callable, block: int, costs: list[float]) -> dict:
     passes = emitted = drafted = 0
     cost = 0.0
@@ -60,6 +95,8 @@ def replay(texts: list[tuple[list[int], list[int]]], rule: Callable, block: int,
             a = 0
             while a < len(d) and pos + a < len(gen) and d[a] == gen[pos + a]:
                 a += 1
+            if hasattr(rule, "feedback"):
+                rule.feedback(len(d), a)
             passes += 1
             emitted += a + 1
             drafted += len(d)
@@ -83,6 +120,26 @@ def loop_check(bench_json: str, block: int, costs: list[float]) -> dict:
     return out
 
 
+def cached_answers(cache_dir: str, n: int) -> list[tuple[list[int], list[int]]]:
+    """(prompt, greedy answer) token lists of a data cache's first n greedy (unsampled) answers."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    out = []
+    for p in sorted(Path(cache_dir).glob("shard_*.safetensors")):
+        with safe_open(str(p), "numpy") as f:
+            tok, lengths, starts, sampled = (f.get_tensor(k) for k in ("tokens", "lengths", "answer_start", "sampled"))
+        at = 0
+        for length, start, samp in zip(lengths, starts, sampled):
+            if not samp:
+                out.append((tok[at:at + start].tolist(), tok[at + start:at + length].tolist()))
+            at += int(length)
+        if len(out) >= n:
+            return out[:n]
+    return out
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", default="mtbench,humaneval")
@@ -90,13 +147,30 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--block-size", type=int, default=4)
-    ap.add_argument("--costs", default="1,1.72,2.25,2.66,3.04", help="a pass over 1, 2, ... rows in plain tokens")
+    ap.add_argument("--costs", default="1,1.72,2.25,2.66,3.04,3.48,3.93,4.37,4.9",
+                    help="a pass over 1, 2, ... rows in plain tokens (6-9 rows: the line to the 8-row figure)")
+    ap.add_argument("--cache", default=None, help="replay on a `blockspec train data` cache's greedy answers")
+    ap.add_argument("--n-answers", type=int, default=600)
     ap.add_argument("--bench", default=None, help="a `blockspec bench` JSON: the loop check (module docstring)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     costs = [float(c) for c in a.costs.split(",")]
-    if len(costs) < a.block_size + 1:
-        ap.error(f"--costs needs {a.block_size + 1} entries (1..block_size + 1 rows)")
+    if len(costs) < max(a.block_size, 8) + 1:
+        ap.error(f"--costs needs {max(a.block_size, 8) + 1} entries (1..block_size + 1 rows, and 9 for ours-auto)")
+    rules = (("ours", ours), ("upstream", upstream), ("ours-auto", lambda: OursAuto(costs)))
+    if a.cache:
+        texts = cached_answers(a.cache, a.n_answers)
+        out = {"settings": vars(a)}
+        print(f"{'rule':<9} {'tokens':>6} {'tau':>6} {'drafted/pass':>12} {'modelled':>8}")
+        for rname, rule in rules:
+            r = replay(texts, rule() if rname == "ours-auto" else rule, a.block_size, costs)
+            out[f"{rname}_rule_on_training_answers"] = r
+            print(f"{rname:<9} {sum(len(g) for _, g in texts):>6} {r['tau']:>6.3f} {r['drafted_per_pass']:>12.3f} "
+                  f"{r['modelled_speed']:>7.3f}x")
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(out, f, indent=1)
+        return out
 
     from blockspec.runtime.bench import peers
     from blockspec.runtime.bench.run import METHODS, load_prompts
@@ -129,8 +203,8 @@ def main(argv=None) -> dict:
     print(f"{'text':<9} {'rule':<9} {'tokens':>6} {'tau':>6} {'drafted/pass':>12} {'modelled':>8}")
     for tname, tx in texts.items():
         n = sum(len(g) for _, g in tx)
-        for rname, rule in (("ours", ours), ("upstream", upstream)):
-            r = replay(tx, rule, a.block_size, costs)
+        for rname, rule in rules:
+            r = replay(tx, rule() if rname == "ours-auto" else rule, a.block_size, costs)
             out[f"{rname}_rule_on_{tname}_text"] = dict(tokens=n, **r)
             print(f"{tname:<9} {rname:<9} {n:>6} {r['tau']:>6.3f} {r['drafted_per_pass']:>12.3f} "
                   f"{r['modelled_speed']:>7.3f}x")

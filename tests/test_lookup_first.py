@@ -71,5 +71,16 @@ def test_lookup_first_sampled_follows_target_law(target):
 def test_bad_combined_methods_fail_in_one_line():
     with pytest.raises(BlockspecError, match="specblock\\+ngram or dblast\\+ngram"):
         make_drafter("ngram+ngram")
-    with pytest.raises(BlockspecError, match="fixed block size"):
-        make_drafter("specblock+ngram", block_size="auto")
+
+
+def test_lookup_first_auto_is_lossless(target):
+    """--block-size auto with the lookup in front: the lookup's matches are estimated as kinds of
+    their own beside the model drafter's, and the output is still plain decoding's."""
+    d = make_drafter("specblock+ngram", block_size="auto")
+    prompt = prompt_tokens(target, REPEAT)
+    plain = generate(target, prompt, max_tokens=96, sampling=SamplingParams(temperature=0.0))
+    spec = generate(target, prompt, max_tokens=96, sampling=SamplingParams(temperature=0.0), drafter=d)
+    assert spec.tokens == plain.tokens
+    assert d.lookup_steps > 0
+    assert None in d.policy.kinds and len(d.policy.kinds) > 1, d.policy.kinds  # the model's and a lookup's
+    assert len(d.model.tokens) == len(prompt) + len(spec.tokens) - 1

@@ -57,6 +57,42 @@ def test_picks_an_intermediate_depth():
     assert 0 < p.depth() < 6 and p.depths[-1] == max(range(7), key=rates.__getitem__)
 
 
+def test_lookup_kinds_are_estimated_apart():
+    """A lookup's long matches (kind 32, 95% accepted) and short ones (kind 3, 30%) on this CPU's
+    curve: the policy drafts the long ones deep and takes plain steps on the short ones."""
+    import random
+
+    rng = random.Random(0)
+    p = DepthPolicy(4)
+    cost = lambda n: 0.014 * (1 + 0.37 * (n - 1))  # noqa: E731
+    chosen: dict[int, list[int]] = {3: [], 32: []}
+    for step in range(400):
+        kind = 32 if step % 2 else 3
+        k = p.depth(kind, 8, prior=(kind - 1) / kind, weight=3.0)
+        accepted = 0
+        while accepted < k and rng.random() < (0.95 if kind == 32 else 0.3):
+            accepted += 1
+        p.record(k, accepted, cost(k + 1), None, k + 1, kind)
+        chosen[kind].append(k)
+    assert sum(chosen[32][50:]) / len(chosen[32][50:]) > 5
+    assert chosen[3][50:].count(0) / len(chosen[3][50:]) > 0.8
+    assert p.draft_s is None and p.tries[1] == 0  # the model drafter's estimate untouched
+
+
+def test_ngram_continues_the_longest_match():
+    """Of two earlier occurrences of the last 3 tokens, the older one that agrees 6 tokens back is
+    continued (not the latest, which agrees only on the 3), and the tree names its class."""
+    from blockspec.runtime.drafters.ngram import MATCH_CLASSES, NgramDrafter
+
+    long_ctx = [10, 11, 12, 1, 2, 3, 50, 51]   # ... 10 11 12 | 1 2 3 -> 50 51
+    short_ctx = [77, 1, 2, 3, 60, 61]          # 77 | 1 2 3 -> 60 61
+    history = [5, *long_ctx, 6, *short_ctx, 7, 10, 11, 12, 1, 2, 3]
+    tree = NgramDrafter(block_size=2).propose(history)
+    assert tree.tokens[1:] == [50, 51]
+    assert tree.kind == max(c for c in MATCH_CLASSES if c <= 6) and 0 < tree.prior < 1
+    assert NgramDrafter(block_size=2).propose([1, 2, 3, 4]).kind is None  # no match: a plain step
+
+
 def test_verify_cost_interpolates_measured_sizes():
     p = DepthPolicy(4)
     assert p.verify_cost(3) is None
@@ -83,7 +119,9 @@ def target(smollm2_path):
 
 @pytest.mark.parametrize("method", ["ngram", "specblock"])
 def test_auto_is_lossless(target, method):
-    prompt = prompt_tokens(target, PROMPTS[1])
+    # the n-gram drafter consults the policy only where its lookup matches: a prompt the answer repeats
+    prompt = prompt_tokens(target, PROMPTS[1] if method == "specblock" else
+                           "Repeat this list exactly: apples, pears, plums, apples, pears, figs, apples, pears.")
     greedy = SamplingParams(temperature=0.0)
     want = generate(target, prompt, max_tokens=40, sampling=greedy).tokens
     d = make_drafter(method, block_size="auto")  # specblock: the shipped drafter

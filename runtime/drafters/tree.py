@@ -13,6 +13,7 @@ prefix plus its ancestors: node logits equal those of decoding that path alone.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Hashable
 
 import numpy as np
 
@@ -25,6 +26,10 @@ class DraftTree:
     # earlier siblings (runtime/engine/acceptance.py), or None where it was chosen
     # deterministically (greedy / top-k / lookup); q[0] is None
     q: list = field(default_factory=list)
+    # a lookup's draft (runtime/drafters/ngram.py): the kind --block-size auto keys its acceptance
+    # estimate by, and the acceptance it expects of a drafted token of that kind; None: a model's
+    kind: Hashable = None
+    prior: float = 0.5
 
     def __post_init__(self):
         if len(self.tokens) != len(self.parents) or not self.tokens or self.parents[0] != -1:
@@ -115,7 +120,7 @@ class DraftTree:
 
     def prefix(self, n: int) -> "DraftTree":
         """The first n nodes: still a tree, since parents precede their children."""
-        return DraftTree(self.tokens[:n], self.parents[:n], self.q[:n])
+        return DraftTree(self.tokens[:n], self.parents[:n], self.q[:n], self.kind, self.prior)
 
     def __len__(self) -> int:
         return len(self.tokens)

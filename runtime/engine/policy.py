@@ -14,49 +14,102 @@ maximises E(k) / cost(k), so when the drafter does not pay (short accepted prefi
 verify-cost curve, as on a 2-core CPU) it falls back to plain steps instead of running slower.
 Verification is lossless for any draft, so the choice never changes the output.
 
+Drafts come in kinds, each with its own acceptance estimate: a model drafter's (kind None), decided
+before the drafter runs, so D counts; and an n-gram lookup's, keyed by the length of the match it
+continues (runtime/drafters/ngram.py), decided after the lookup has run (its cost is sunk, D = 0):
+a continuation of a 20-token repeat is accepted far more often than one of a 3-token match, so it
+pays to draft it deeper.
+
 Estimates, all running (they follow the text and the machine):
 - V(n): exponential average of the measured pass time per n; an n never measured is read off the
   straight line through the nearest measured sizes (one measured size: V scales with n from it);
 - D: exponential average of the measured draft time;
 - P(>= j) = c_1 * ... * c_j, where c_i, the chance that drafted token i is accepted once tokens
-  1..i-1 were, comes from decayed counts of the steps that reached token i (prior: one
-  pseudo-try at `prior`, 1/2 unless BlockPilot predicted this request's acceptance after its
-  prefill: runtime/engine/pilot.py); a depth never reached takes the deepest estimated c (the
+  1..i-1 were, comes from decayed counts of the steps of that kind that reached token i, plus
+  `weight` pseudo-tries at the kind's prior (a model drafter: one at 1/2, unless BlockPilot
+  predicted this request's acceptance after its prefill: runtime/engine/pilot.py; a lookup: the
+  prior it states for its match length); a depth never reached takes the deepest estimated c (the
   drafter is assumed to keep its quality, so the policy tries deeper when the measured depths pay).
-While plain steps win, every `explore`-th step still drafts at full depth, so the acceptance
-estimate can recover when the text becomes predictable.
+While plain steps win for a kind, every `explore`-th step of that kind still drafts at full depth,
+so its acceptance estimate can recover when the text becomes predictable.
 """
 
 from __future__ import annotations
+
+from typing import Hashable
 
 DECAY = 0.97      # per-step decay of the acceptance counts (~30 steps of memory)
 ALPHA = 0.2       # weight of a new measurement in the time averages
 EXPLORE = 8       # while k = 0 wins, draft at full depth every EXPLORE-th step
 
 
-class DepthPolicy:
-    def __init__(self, max_depth: int, explore: int = EXPLORE):
-        if max_depth < 1:
-            raise ValueError("max_depth must be >= 1")
-        self.max_depth = max_depth
-        self.explore = explore
-        self.prior = 0.5                       # c before any measurement (one pseudo-try); BlockPilot sets it
-        self.verify_s: dict[int, float] = {}   # rows -> average seconds of a target pass
-        self.draft_s: float | None = None
-        self.tries = [0.0] * (max_depth + 1)   # [j]: decayed steps that reached drafted token j
-        self.hits = [0.0] * (max_depth + 1)    # [j]: ... and accepted it
-        self._plain_run = 0
-        self.depths: list[int] = []            # the depth chosen at each step (for stats and tests)
+class _Acceptance:
+    """Decayed acceptance counts of one kind of draft, per depth."""
 
-    # ------------------------------------------------------------------ estimates
+    def __init__(self, depth: int, prior: float, weight: float):
+        self.prior, self.weight = prior, weight
+        self.tries = [0.0] * (depth + 1)  # [j]: decayed steps that reached drafted token j
+        self.hits = [0.0] * (depth + 1)   # [j]: ... and accepted it
+        self.plain_run = 0
+
+    def grow(self, depth: int) -> None:
+        extra = depth + 1 - len(self.tries)
+        if extra > 0:
+            self.tries += [0.0] * extra
+            self.hits += [0.0] * extra
+
     def p_accept(self, j: int) -> float:
         """P(the first j drafted tokens are all accepted)."""
         p, c = 1.0, self.prior
         for i in range(1, j + 1):
-            if self.tries[i] > 0:
-                c = (self.hits[i] + self.prior) / (self.tries[i] + 1.0)
+            if i < len(self.tries) and self.tries[i] > 0:
+                c = (self.hits[i] + self.weight * self.prior) / (self.tries[i] + self.weight)
             p *= c
         return p
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.grow(drafted)
+        for j in range(1, len(self.tries)):
+            self.tries[j] *= DECAY
+            self.hits[j] *= DECAY
+        for j in range(1, min(drafted, accepted + 1) + 1):  # tokens the target got to judge
+            self.tries[j] += 1.0
+            self.hits[j] += 1.0 if accepted >= j else 0.0
+
+
+class DepthPolicy:
+    def __init__(self, max_depth: int, explore: int = EXPLORE):
+        if max_depth < 1:
+            raise ValueError("max_depth must be >= 1")
+        self.max_depth = max_depth             # a model drafter's deepest draft
+        self.explore = explore
+        self.verify_s: dict[int, float] = {}   # rows -> average seconds of a target pass
+        self.draft_s: float | None = None
+        # kind -> estimate; None: the model drafter's (prior 1/2, one pseudo-try; BlockPilot sets it)
+        self.kinds: dict[Hashable, _Acceptance] = {None: _Acceptance(max_depth, 0.5, 1.0)}
+        self.depths: list[int] = []            # the depth chosen at each step (for stats and tests)
+
+    # the model drafter's estimate (kind None), as BlockPilot and the tests address it
+    @property
+    def prior(self) -> float:
+        return self.kinds[None].prior
+
+    @prior.setter
+    def prior(self, c: float) -> None:
+        self.kinds[None].prior = c
+
+    @property
+    def tries(self) -> list[float]:
+        return self.kinds[None].tries
+
+    @property
+    def hits(self) -> list[float]:
+        return self.kinds[None].hits
+
+    # ------------------------------------------------------------------ estimates
+    def p_accept(self, j: int, kind: Hashable = None) -> float:
+        """P(the first j drafted tokens of a `kind` draft are all accepted)."""
+        return self.kinds[kind].p_accept(j)
 
     def verify_cost(self, n: int) -> float | None:
         """Estimated seconds of a target pass over n rows (None before any measurement)."""
@@ -77,47 +130,54 @@ class DepthPolicy:
         m = sizes[0]
         return self.verify_s[m] * n / m
 
-    def expected_rate(self, k: int) -> float | None:
-        """Estimated new tokens per second when drafting k tokens (None: costs not measured yet)."""
+    def expected_rate(self, k: int, kind: Hashable = None) -> float | None:
+        """Estimated new tokens per second when drafting k tokens of a `kind` draft (None: costs not
+        measured yet). A model draft (kind None) pays D; a lookup's is already made."""
         v = self.verify_cost(k + 1)
-        if v is None or (k > 0 and self.draft_s is None):
+        draft = self.draft_s if (kind is None and k > 0) else 0.0
+        if v is None or draft is None:
             return None
-        tokens = 1.0 + sum(self.p_accept(j) for j in range(1, k + 1))
-        return tokens / (v + (self.draft_s if k > 0 else 0.0))
+        tokens = 1.0 + sum(self.p_accept(j, kind) for j in range(1, k + 1))
+        return tokens / (v + draft)
 
     # ------------------------------------------------------------------ decisions
-    def depth(self) -> int:
-        """Draft depth for the next step."""
-        k = self._choose()
-        if k == 0:
-            self._plain_run += 1
-            if self._plain_run >= self.explore:
-                self._plain_run, k = 0, self.max_depth
+    def depth(self, kind: Hashable = None, available: int | None = None, prior: float = 0.5,
+              weight: float = 1.0) -> int:
+        """Draft depth for the next step: a model drafter's (kind None, before it runs), or how
+        many of a lookup's `available` drafted tokens to verify (a new kind starts from `weight`
+        pseudo-tries at `prior`)."""
+        top = self.max_depth if available is None else available
+        est = self.kinds.get(kind)
+        if est is None:
+            est = self.kinds[kind] = _Acceptance(top, prior, weight)
+        est.grow(top)
+        k = self._choose(kind, top)
+        if k == 0 and top > 0:
+            est.plain_run += 1
+            if est.plain_run >= self.explore:
+                est.plain_run, k = 0, top
         else:
-            self._plain_run = 0
+            est.plain_run = 0
         self.depths.append(k)
         return k
 
-    def _choose(self) -> int:
-        if self.draft_s is None or self.max_depth + 1 not in self.verify_s:
-            return self.max_depth  # measure a full draft and its verify first
+    def _choose(self, kind: Hashable, top: int) -> int:
+        if (kind is None and self.draft_s is None) or top + 1 not in self.verify_s:
+            return top  # measure a full draft and its verify first
         if 1 not in self.verify_s:
             return 0  # and one plain step
-        rates = [self.expected_rate(k) for k in range(self.max_depth + 1)]
+        rates = [self.expected_rate(k, kind) for k in range(top + 1)]
         return max(range(len(rates)), key=lambda k: (rates[k], -k))
 
     # ------------------------------------------------------------------ measurements
-    def record(self, drafted: int, accepted: int, verify_s: float, draft_s: float | None, rows: int) -> None:
-        """One step: `drafted` tokens proposed (after cuts), `accepted` of them taken, a target pass
-        over `rows` rows taking `verify_s`, and the draft taking `draft_s` (None: no draft)."""
+    def record(self, drafted: int, accepted: int, verify_s: float, draft_s: float | None, rows: int,
+               kind: Hashable = None) -> None:
+        """One step: `drafted` tokens of a `kind` draft proposed (after cuts), `accepted` of them
+        taken, a target pass over `rows` rows taking `verify_s`, and the model draft taking
+        `draft_s` (None: the model drafter did not run)."""
         self.verify_s[rows] = verify_s if rows not in self.verify_s else \
             (1 - ALPHA) * self.verify_s[rows] + ALPHA * verify_s
         if draft_s is not None:
             self.draft_s = draft_s if self.draft_s is None else (1 - ALPHA) * self.draft_s + ALPHA * draft_s
-        if drafted:
-            for j in range(1, self.max_depth + 1):
-                self.tries[j] *= DECAY
-                self.hits[j] *= DECAY
-            for j in range(1, min(drafted, accepted + 1) + 1):  # tokens the target got to judge
-                self.tries[j] += 1.0
-                self.hits[j] += 1.0 if accepted >= j else 0.0
+        if drafted and kind in self.kinds:
+            self.kinds[kind].record(drafted, accepted)

@@ -19,6 +19,7 @@ from blockspec.runtime.engine.sampling import DraftSampler, SamplingParams, samp
 from blockspec.runtime.drafters.tree import DraftTree
 
 MAIN_SEQ = 0
+LOOKUP_PRIOR_WEIGHT = 3.0  # pseudo-tries at a lookup kind's prior (runtime/engine/policy.py)
 
 
 def acceptance_rule(sampling: SamplingParams, drafter) -> str:
@@ -75,6 +76,24 @@ def discard_tree(target, n_seqs: int, n_past: int) -> None:
     target.remove(MAIN_SEQ, n_past, -1)
 
 
+def draft_by_policy(d, policy, history, sampler) -> tuple[DraftTree, bool]:
+    """--block-size auto's draft (runtime/engine/policy.py) and whether a drafter ran. A lookup
+    (`d.lookup`: the n-gram drafter itself, or the one in front of a model drafter) costs next to
+    nothing, so it runs first and the policy cuts its continuation to the depth that pays for its
+    match's kind; without a match the policy decides the model drafter's depth before it runs
+    (0: a plain step, the drafter's cost saved)."""
+    lookup = getattr(d, "lookup", None)
+    if lookup is not None:
+        tree = lookup.propose(history)
+        if len(tree) > 1:
+            return tree.prefix(policy.depth(tree.kind, len(tree) - 1, tree.prior, LOOKUP_PRIOR_WEIGHT) + 1), True
+    model = d.model if lookup is not None else d
+    depth = policy.depth() if model is not None else 0
+    if depth == 0:
+        return DraftTree([history[-1]], [-1]), False  # the drafter does not pay now: a plain step
+    return model.propose(history, sampler).prefix(depth + 1), True  # a chain: root + depth drafted tokens
+
+
 def speculative_steps(s) -> Iterator[list[int]]:
     """Step function for generate_stream (StepState `s` carries target and drafter)."""
     t, d = s.target, s.drafter
@@ -87,13 +106,10 @@ def speculative_steps(s) -> Iterator[list[int]]:
     while True:
         n_past = len(s.tokens) - 1  # the cache holds tokens[:-1]; the root is tokens[-1]
         t0 = time.perf_counter()
-        depth = policy.depth() if policy is not None else None
-        if depth == 0:
-            tree = DraftTree([s.tokens[-1]], [-1])  # the drafter does not pay now: a plain step
+        if policy is None:
+            tree, ran = d.propose(s.tokens, sampler), True
         else:
-            tree = d.propose(s.tokens, sampler)
-            if depth is not None:
-                tree = tree.prefix(depth + 1)  # a chain: root + depth drafted tokens
+            tree, ran = draft_by_policy(d, policy, s.tokens, sampler)
         t1 = time.perf_counter()
         s.stats.draft_s += t1 - t0
         # a batch larger than the target's exact limit would round differently from plain
@@ -114,7 +130,8 @@ def speculative_steps(s) -> Iterator[list[int]]:
         t2 = time.perf_counter()
         s.stats.verify_s += t2 - t1
         if policy is not None:
-            policy.record(len(tree) - 1, len(verdict.accepted), t2 - t1, t1 - t0 if depth else None, len(tree))
+            policy.record(len(tree) - 1, len(verdict.accepted), t2 - t1, t1 - t0 if ran and tree.kind is None else None,
+                          len(tree), tree.kind)
         rows = [0, *verdict.accepted]
         d.observe([tree.tokens[i] for i in rows], n_past, {lid: f[rows] for lid, f in feats.items()} or None)
         s.stats.draft_s += time.perf_counter() - t2  # the drafter's own pass over the committed rows
