@@ -33,6 +33,7 @@ from blockspec.runtime.drafters.base import BlockDrafter
 from blockspec.runtime.errors import BlockspecError
 from blockspec.runtime.format.drafter_gguf import check_pairing, read_drafter_header, target_fingerprint
 from blockspec.runtime.drafters.tree import DraftTree
+from blockspec.runtime.llama.target import float_view
 
 MAIN_SEQ = 0
 _KV_TYPES = {"f32": 0, "f16": 1}  # ggml_type ids for the drafter's KV cache
@@ -445,8 +446,8 @@ class GgmlDFlashDrafter(GgmlBlockDrafter):
                 ptr = ll.llama_get_logits_ith(self._ctx, k)
                 if not ptr:
                     raise RuntimeError(f"dblast drafter: no logits for block row {k}")
-                rows.append(np.ctypeslib.as_array(ptr, shape=(n_vocab,)).copy())
-            return np.stack(rows)
+                rows.append(float_view(ptr, (n_vocab,)))
+            return np.stack(rows)  # one copy of the rows, before the next decode
 
         return self._block(history, read)
 

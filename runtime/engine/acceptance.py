@@ -82,8 +82,9 @@ def accept_sampled(tree: DraftTree, logits: np.ndarray, sampling: SamplingParams
                    history: Sequence[int]) -> Verdict:
     kids = tree.children()
     node, accepted = 0, []
+    needs_history = sampling.repeat_penalty != 1.0
     while True:
-        p = target_law(logits[node], sampling, _node_history(tree, node, history))
+        p = target_law(logits[node], sampling, _node_history(tree, node, history) if needs_history else ())
         if not kids[node]:
             return Verdict(accepted, p.draw(rng), bonus=True)
         nxt = None
@@ -99,12 +100,13 @@ def accept_sampled(tree: DraftTree, logits: np.ndarray, sampling: SamplingParams
                 if qx > 0 and rng.random() * qx < p[x]:  # accept w.p. min(1, p/q)
                     nxt = c
                     break
+                if c == kids[node][-1]:  # the last child: draw from the residual itself
+                    x = p.residual_draw(q, rng)
+                    return Verdict(accepted, p.draw(rng) if x is None else x, bonus=False)
                 residual = p.residual(q)
                 if residual is None:  # p == q up to rounding: rejection had probability ~0
                     continue
                 p = residual
-            if nxt is None:
-                return Verdict(accepted, p.draw(rng), bonus=False)
         accepted.append(nxt)
         node = nxt
 

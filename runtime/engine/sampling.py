@@ -12,7 +12,9 @@ the argmax after the penalty.
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Sequence
 
 import numpy as np
@@ -81,6 +83,10 @@ class Law:
         return np.where(self.ids[i] == ids, self.probs[i], 0.0)
 
     def __getitem__(self, token: int) -> float:
+        if len(self.ids) <= SMALL:
+            ids = self.ids.tolist()
+            i = bisect_left(ids, token)
+            return float(self.probs[i]) if i < len(ids) and ids[i] == token else 0.0
         i = int(np.searchsorted(self.ids, token))
         return float(self.probs[i]) if i < len(self.ids) and self.ids[i] == token else 0.0
 
@@ -99,6 +105,16 @@ class Law:
         """norm(max(self - q, 0)): what is left of this law after a draft from q was rejected."""
         return Law(self.ids, np.maximum(self.probs - q.at(self.ids), 0.0)).normalized()
 
+    def residual_draw(self, q: "Law", rng: np.random.Generator) -> int | None:
+        """= self.residual(q).draw(rng) in one pass (None, drawing nothing, where the residual
+        has no mass): the unnormalised residual's CDF scaled by one uniform, as draw() does."""
+        if len(self.ids) <= SMALL and len(q.ids) <= SMALL:
+            qd = dict(zip(q.ids.tolist(), q.probs.tolist()))
+            ids = self.ids.tolist()
+            return _draw_cdf(ids, list(accumulate(max(p - qd.get(i, 0.0), 0.0)
+                                                   for i, p in zip(ids, self.probs.tolist()))), rng)
+        return _draw_cdf(self.ids, np.cumsum(np.maximum(self.probs - q.at(self.ids), 0.0)), rng)
+
     def remap(self, ids_map: np.ndarray) -> "Law":
         """The same law over other ids: token i becomes ids_map[i] (a draft vocabulary's d2t),
         kept ascending."""
@@ -112,9 +128,23 @@ class Law:
 
     def draw(self, rng: np.random.Generator) -> int:
         """One token by inverse CDF on a single uniform: = draw(self.dense(n), rng)."""
-        cdf = np.cumsum(self.probs)
-        u = rng.random() * cdf[-1]
-        return int(self.ids[min(np.searchsorted(cdf, u, side="right"), len(self.ids) - 1)])
+        if len(self.ids) <= SMALL:
+            return _draw_cdf(self.ids.tolist(), list(accumulate(self.probs.tolist())), rng)
+        return _draw_cdf(self.ids, np.cumsum(self.probs), rng)
+
+
+# Right after a target decode every numpy call runs from cold caches (~10-20 us each here), so the
+# laws of a sampling chain (top-k 40 by default) are walked as Python lists below this size: the
+# same sums in the same order (accumulate = cumsum, left to right), so the same draws.
+SMALL = 64
+
+
+def _draw_cdf(ids, cdf, rng: np.random.Generator) -> int | None:
+    """ids[the first i with cdf[i] > u], u uniform on [0, cdf[-1]) (None: no mass)."""
+    if not cdf[-1] > 0:
+        return None
+    u = rng.random() * cdf[-1]
+    return int(ids[min(bisect_right(cdf, u), len(ids) - 1)])
 
 
 def penalize(logits: np.ndarray, history: Sequence[int], p: SamplingParams) -> np.ndarray:

@@ -36,7 +36,8 @@ def verify_tree(target, tree: DraftTree, n_past: int, taps: tuple[int, ...] = ()
     """Decode the whole tree in one batch with the root at position n_past.
 
     Returns (logits [n_nodes, n_vocab], {layer: [n_nodes, n_embd]} taps, seq ids per node,
-    number of leaf sequences). A chain (one leaf) is decoded in the main sequence itself, as
+    number of leaf sequences); logits and taps are views of llama.cpp's buffers, valid until the
+    target's next decode. A chain (one leaf) is decoded in the main sequence itself, as
     upstream's speculative-simple does; a tree's leaves i get sequence ids 1..L that see the
     prefix (seq 0) through seq_cp. The caller must `commit_tree` or `discard_tree` afterwards.
     """
@@ -50,7 +51,7 @@ def verify_tree(target, tree: DraftTree, n_past: int, taps: tuple[int, ...] = ()
     depths = tree.depths()
     target.decode(tree.tokens, [n_past + d for d in depths], ids, [True] * len(tree))
     logits = target.logits_rows(len(tree))
-    feats = {lid: target.tap(lid) for lid in taps}
+    feats = {lid: target.tap(lid, copy=False) for lid in taps}  # the step reads them before the next decode
     return logits, feats, ids, n_seqs
 
 
