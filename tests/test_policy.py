@@ -36,8 +36,29 @@ def test_falls_back_to_plain_when_drafts_do_not_pay():
     # this CPU's curve (2.1x for 4 rows) and a drafter accepting 30% of its tokens
     depths = simulate(DepthPolicy(4), lambda n: 0.014 * (1 + 0.37 * (n - 1)), 0.004, 0.3)
     tail = depths[100:]
-    assert tail.count(0) / len(tail) > 0.8  # mostly plain steps ...
-    assert 4 in tail  # ... with a full-depth probe now and then
+    assert tail.count(0) / len(tail) > 0.9  # mostly plain steps ...
+    assert 1 in tail  # ... with a one-token probe now and then, ever rarer while plain keeps winning
+    probes = [i for i, k in enumerate(depths) if i >= 20 and k == 1]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps and gaps[-1] > gaps[0]
+
+
+def test_probes_find_a_drafter_that_starts_to_pay():
+    """The text turns predictable after 150 plain-winning steps: the probes see it and the policy
+    drafts again."""
+    import random
+
+    rng = random.Random(0)
+    p = DepthPolicy(4)
+    cost = lambda n: 0.014 * (1 + 0.37 * (n - 1))  # noqa: E731
+    for step in range(400):
+        k = p.depth()
+        acc_p = 0.1 if step < 150 else 0.95
+        accepted = 0
+        while accepted < k and rng.random() < acc_p:
+            accepted += 1
+        p.record(k, accepted, cost(k + 1), 0.002 if k else None, k + 1)
+    assert p.depths[100:150].count(0) > 40 and sum(p.depths[-100:]) / 100 > 2
 
 
 def test_drafts_deep_when_verification_is_nearly_free():

@@ -102,6 +102,8 @@ METHODS: dict[str, Method] = {
     # n-gram lookup where the history repeats, the shipped model drafter elsewhere (drafters/ngram.py LookupFirst)
     "specblock+ngram": Method("specblock+ngram", needs_drafter=True, shipped="specblock"),
     "specblock+ngram-pilot": Method("specblock+ngram", needs_drafter=True, shipped="specblock", pilot=True),
+    # the lookup's drafts cut per match-length class, the model's depth per step (runtime/engine/policy.py)
+    "specblock+ngram-auto": Method("specblock+ngram", needs_drafter=True, shipped="specblock", auto=True),
     "dblast+ngram": Method("dblast+ngram", needs_drafter=True, shipped="dblast"),
     # plain DFlash (one category, q/k norm): the weights llama.cpp-dflash runs in upstream's engine
     "dblast-kz1": Method("dblast", needs_drafter=True, shipped="dblast-kz1"),

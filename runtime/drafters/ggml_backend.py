@@ -199,8 +199,7 @@ class GgmlBlockDrafter(BlockDrafter):
         if self._ctx is None or n == 0:
             return
         self._forget(0)
-        for i in range(0, n, self._n_batch):
-            self._process_features(np.ascontiguousarray(self._feats[i:min(n, i + self._n_batch)]), i)
+        self._flush()
 
     # ------------------------------------------------------------------ target binding
     def check_target(self, target) -> None:
@@ -241,12 +240,14 @@ class GgmlBlockDrafter(BlockDrafter):
         self._n_batch = cp.n_batch
         self._target = target
         self.tokens = []
+        self._done = 0  # rows 0.._done-1 are in the drafter's KV cache (see _context)
 
     # ------------------------------------------------------------------ context
     def _forget(self, n: int) -> None:
         if self._ctx is not None:
             ll = _raw()
             ll.llama_memory_seq_rm(ll.llama_get_memory(self._ctx), MAIN_SEQ, n, -1)
+            self._done = min(self._done, n)
 
     def observe(self, tokens: Sequence[int], start: int, feats: dict[int, np.ndarray] | None) -> None:
         if self._ctx is None:
@@ -254,14 +255,27 @@ class GgmlBlockDrafter(BlockDrafter):
         super().observe(tokens, start, feats)
 
     def _context(self, x: np.ndarray, start: int) -> None:
-        for i in range(0, x.shape[0], self._n_batch):
-            self._process_features(x[i:i + self._n_batch], start + i)
+        """Keep the new rows' features; their pass into the KV cache waits for the next block
+        (`_flush`): where --block-size auto takes plain steps, the rows of many steps then go
+        through the drafter in one batch instead of one pass per step."""
         n = start + x.shape[0]
         if n > len(self._feats):  # amortised: a copy per doubling, not per step
             grown = np.empty((max(n, 2 * len(self._feats), 256), self.n_feat), dtype=np.float32)
             grown[:start] = self._feats[:start]
             self._feats = grown
         self._feats[start:n] = x
+
+    def _flush(self) -> None:
+        """Pass the held rows not yet in the KV cache through the drafter, n_batch at a time."""
+        n = len(self.tokens)
+        for i in range(self._done, n, self._n_batch):
+            self._process_features(np.ascontiguousarray(self._feats[i:min(n, i + self._n_batch)]), i)
+        self._done = n
+
+    def _anchor(self, history: Sequence[int]) -> int:
+        t = super()._anchor(history)
+        self._flush()
+        return t
 
     def _process_features(self, x: np.ndarray, p0: int) -> None:
         ll = _raw()
