@@ -192,6 +192,9 @@ train-specblock-s4: stage3-gguf
 # on the data's 427 held-out prompts (`blockspec train eval`) 0.598 -> 0.685 and 0.348 -> 0.375.
 # Eleventh session, at its end: `make train-data-fresh FRESH_PROMPTS=9000` started in the background
 # (more answers for a stage 8 or a from-scratch run; rerun the same command to continue it).
+# Twelfth session: worker 0 alone continued it (the same `train data` line with --worker 0, one
+# thread beside the session's work, paused during benches), ~5,470 -> ~6,200+ of 9,000 prompts,
+# 9.4 GiB; `make train-data-fresh FRESH_PROMPTS=9000` resumes both workers where they stopped.
 FRESH5_PROMPTS ?= 5400
 S5_SPECBLOCK_STEPS ?= 1200
 S4_DBLAST_STEPS ?= 600
