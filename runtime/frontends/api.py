@@ -12,7 +12,7 @@ from blockspec.runtime.engine.sampling import SamplingParams
 
 
 def run_generate(prompt: str, *, model: str | None = None, method: str | None = None, drafter: str | None = None,
-                 drafter_backend: str | None = None, block_size: int | str = 4, branches: int = 1, max_tokens: int = 256,
+                 drafter_backend: str | None = None, block_size: int | str | None = None, branches: int = 1, max_tokens: int = 256,
                  temperature: float = 0.0, top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05,
                  repeat_penalty: float = 1.0, seed: int | None = None, raw: bool = False, system: str | None = None,
                  n_ctx: int = 4096, verbose: bool = False, on_text: Callable[[str], None] | None = None,

@@ -88,7 +88,7 @@ class _SigintFlag:
 
 
 def run_chat(*, model: str | None = None, drafter: str | None = None, method: str | None = None,
-             drafter_backend: str | None = None, block_size: int | str = 4, blockpilot: str | None = None,
+             drafter_backend: str | None = None, block_size: int | str | None = None, blockpilot: str | None = None,
              temperature: float = 0.2,
              acceptance: str = "rejection",
              system: str | None = None, max_tokens: int | None = 1024, n_ctx: int = 4096, seed: int | None = None,

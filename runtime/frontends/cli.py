@@ -43,7 +43,7 @@ def cli():
 @click.option("--drafter", "drafter", default=None, help="drafter checkpoint (GGUF or torch checkpoint dir)")
 @click.option("--drafter-backend", type=click.Choice(["torch", "ggml"]), default=None,
               help="where a model drafter runs [default: ggml for a GGUF drafter]")
-@click.option("--block-size", default="4", show_default=True, help=BLOCK_SIZE_HELP)
+@click.option("--block-size", default=None, help=BLOCK_SIZE_HELP)
 @click.option("--blockpilot", default=None, help=BLOCKPILOT_HELP)
 @click.option("--branches", type=int, default=1, show_default=True, help="tree branches (ngram: matches merged)")
 @click.option("--max-tokens", type=int, default=256, show_default=True, help="new tokens at most")

@@ -12,7 +12,7 @@ ACCEPTANCE_HELP = ("T > 0 with a drafter: rejection (drafts drawn from the draft
                    "(deterministic drafts; output equals plain decoding's for the same seed)")
 BLOCK_SIZE_HELP = ("drafted tokens per block (at most the drafter's trained block), auto: each step's depth from "
                    "measured costs, or pilot: one size per request chosen by BlockPilot from the prefill's last-token "
-                   "distribution")
+                   "distribution  [default: auto for ngram, 4 for a model drafter]")
 ADAPT_HELP = ("SpecBlock's online adaptation: after each request a cost-aware bandit may update the drafter "
               "(head or all weights) from the blocks it served; output unchanged (--method specblock, GGUF drafter)")
 BLOCKPILOT_HELP = ("BlockPilot GGUF for --block-size pilot (and the acceptance prior of auto) [default: "
@@ -26,7 +26,7 @@ def _model_options(f):
     f = click.option("--acceptance", type=click.Choice(ACCEPTANCE), default=ACCEPTANCE[0], show_default=True,
                      help=ACCEPTANCE_HELP)(f)
     f = click.option("--blockpilot", default=None, help=BLOCKPILOT_HELP)(f)
-    f = click.option("--block-size", default="4", show_default=True, help=BLOCK_SIZE_HELP)(f)
+    f = click.option("--block-size", default=None, help=BLOCK_SIZE_HELP)(f)
     f = click.option("--drafter-backend", type=click.Choice(["torch", "ggml"]), default=None,
                      help="where a model drafter runs [default: ggml for a GGUF drafter]")(f)
     f = click.option("--method", default=None, help=_METHOD_HELP)(f)

@@ -92,7 +92,7 @@ class SpeculativeLlama:
 
     def __init__(self, model_path: str | None = None, drafter_path: str | None = None, method: str | None = None,
                  n_ctx: int = 4096, n_gpu_layers: int = -1, seed: int | None = None, verbose: bool = False,
-                 n_threads: int | None = None, block_size: int | str = 4, branches: int = 1,
+                 n_threads: int | None = None, block_size: int | str | None = None, branches: int = 1,
                  drafter_backend: str | None = None, n_batch: int = 512, acceptance: str = "rejection",
                  blockpilot: str | None = None, adapt: bool = False):
         self.acceptance = SamplingParams(acceptance=acceptance).acceptance  # checked before the model loads

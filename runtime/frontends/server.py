@@ -169,7 +169,7 @@ async def _sse(lock: asyncio.Lock, start):
 
 
 def run_server(*, model: str | None = None, drafter: str | None = None, method: str | None = None,
-               drafter_backend: str | None = None, block_size: int | str = 4, blockpilot: str | None = None,
+               drafter_backend: str | None = None, block_size: int | str | None = None, blockpilot: str | None = None,
                n_ctx: int = 4096, verbose: bool = False,
                acceptance: str = "rejection",
                host: str = "127.0.0.1", port: int = 8000, model_alias: str | None = None, adapt: bool = False) -> None:
