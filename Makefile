@@ -316,7 +316,7 @@ bench-qwen05: drafter-qwen05 bench-tools
 BENCH_OUT ?= bench
 BENCH_QWEN_OUT ?= bench-qwen
 BENCH_N ?= 5
-BENCH_METHODS = plain,ngram,specblock,specblock-tree,specblock-auto,dblast,dblast-tree,dblast-kz1,llama.cpp-plain,llama.cpp-ngram,llama.cpp-dflash
+BENCH_METHODS = plain,ngram,ngram-auto,specblock,specblock-tree,specblock-auto,specblock+ngram-auto,dblast,dblast-tree,dblast-kz1,llama.cpp-plain,llama.cpp-ngram,llama.cpp-dflash
 # `make bench-pilot`: the shipped drafters at a fixed block, with BlockPilot, the depth policy and both,
 # beside plain, n-gram (ours on both kernel modes) and upstream's (the sixth session's run, with the
 # then candidate drafters as `@ft` rows: README).
