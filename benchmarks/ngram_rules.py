@@ -62,7 +62,7 @@ class OursAuto:
     """The n-gram drafter under --block-size auto, its verify times taken from the cost curve."""
 
     def __init__(self, costs: list[float]):
-        from blockspec.runtime.engine.policy import DepthPolicy
+        from blockspec.runtime.engine.policy import SETTLE, DepthPolicy
         from blockspec.runtime.engine.setup import AUTO_NGRAM_DEPTH
         from blockspec.runtime.engine.speculative import LOOKUP_PRIOR_WEIGHT
 
@@ -70,6 +70,7 @@ class OursAuto:
         self.drafter = NgramDrafter(block_size=self.depth)
         self.policy = DepthPolicy(self.depth)
         self.policy.verify_s = {n + 1: c for n, c in enumerate(costs[:self.depth + 1])}
+        self.policy.verify_n = {n: SETTLE for n in self.policy.verify_s}  # settled: no warm-up steps
         self.kind = None
 
     def __call__(self, history: Sequence[int], block: int) -> list[int]:

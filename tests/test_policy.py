@@ -9,6 +9,7 @@ from blockspec.runtime.engine.setup import make_drafter, parse_block_size
 from blockspec.runtime.errors import BlockspecError
 from blockspec.runtime.engine.generate import generate
 from blockspec.runtime.engine.policy import DepthPolicy
+from blockspec.runtime.engine.speculative import LOOKUP_PRIOR_WEIGHT
 from blockspec.runtime.llama.prompt import prompt_tokens
 from blockspec.runtime.engine.sampling import SamplingParams
 from blockspec.runtime.llama.target import Target, TargetConfig
@@ -71,6 +72,7 @@ def test_picks_an_intermediate_depth():
     # acceptance decays with depth: expected tokens flatten while the cost keeps growing
     p = DepthPolicy(6)
     p.verify_s = {n: 0.010 * (1 + 0.25 * (n - 1)) for n in range(1, 8)}
+    p.verify_n = {n: 10 for n in p.verify_s}
     p.draft_s = 0.001
     for j, q in enumerate([0.9, 0.7, 0.4, 0.2, 0.1, 0.05], start=1):  # conditional acceptance per depth
         p.tries[j], p.hits[j] = 1000.0, 1000.0 * q
@@ -89,7 +91,7 @@ def test_lookup_kinds_are_estimated_apart():
     chosen: dict[int, list[int]] = {3: [], 32: []}
     for step in range(400):
         kind = 32 if step % 2 else 3
-        k = p.depth(kind, 8, prior=(kind - 1) / kind, weight=3.0)
+        k = p.depth(kind, 8, prior=(kind - 1) / kind, weight=LOOKUP_PRIOR_WEIGHT)
         accepted = 0
         while accepted < k and rng.random() < (0.95 if kind == 32 else 0.3):
             accepted += 1
@@ -112,6 +114,20 @@ def test_ngram_continues_the_longest_match():
     assert tree.tokens[1:] == [50, 51]
     assert tree.kind == max(c for c in MATCH_CLASSES if c <= 6) and 0 < tree.prior < 1
     assert NgramDrafter(block_size=2).propose([1, 2, 3, 4]).kind is None  # no match: a plain step
+
+
+def test_a_slow_first_plain_pass_does_not_stick():
+    """The first plain step after a prefill ran 30x slow: the estimate keeps the faster second one,
+    so a drafter that does not pay still falls back to plain steps."""
+    p = DepthPolicy(4)
+    cost = lambda n: 0.014 * (1 + 0.37 * (n - 1))  # noqa: E731
+    first = True
+    for _ in range(60):
+        k = p.depth()
+        t = cost(k + 1) * (30 if k == 0 and first else 1)
+        first = first and k != 0
+        p.record(k, 0, t, 0.004 if k else None, k + 1)  # nothing is ever accepted
+    assert p.verify_s[1] == pytest.approx(cost(1)) and p.depths[-20:].count(0) > 15
 
 
 def test_verify_cost_interpolates_measured_sizes():

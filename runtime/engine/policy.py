@@ -21,12 +21,13 @@ a continuation of a 20-token repeat is accepted far more often than one of a 3-t
 pays to draft it deeper.
 
 Estimates, all running (they follow the text and the machine):
-- V(n): exponential average of the measured pass time per n; an n never measured is read off the
+- V(n): exponential average of the measured pass time per n (after the fastest of its first
+  SETTLE passes); an n never measured is read off the
   straight line through the nearest measured sizes (one measured size: V scales with n from it);
 - D: exponential average of the measured draft time;
 - P(>= j) = c_1 * ... * c_j, where c_i, the chance that drafted token i is accepted once tokens
   1..i-1 were, comes from counts of the steps of that kind that reached token i, decayed at
-  every step of that kind (plain ones too), plus
+  every step of that kind (plain ones too, applied when a probe ends a plain run), plus
   `weight` pseudo-tries at the kind's prior (a model drafter: one at 1/2, unless BlockPilot
   predicted this request's acceptance after its prefill: runtime/engine/pilot.py; a lookup: the
   prior it states for its match length); a depth never reached takes the deepest estimated c (the
@@ -34,7 +35,7 @@ Estimates, all running (they follow the text and the machine):
 While plain steps win for a kind, a step of that kind still drafts one token now and then (a probe),
 so its acceptance estimate can recover when the text becomes predictable: the `explore`-th plain step
 first, then twice as many plain steps before each next probe while they keep winning (up to
-MAX_EXPLORE). A probe drafts one token, not the full depth: on this CPU a full-depth probe every 8th
+MAX_EXPLORE); the plain run ages the kind's evidence first, so the probe's result counts. A probe drafts one token, not the full depth: on this CPU a full-depth probe every 8th
 step (a 5-row pass, 3.5 plain tokens, for ~0.7 accepted) cost SpecBlock's auto ~20% of its speed.
 """
 
@@ -44,6 +45,12 @@ from typing import Hashable
 
 DECAY = 0.97      # per-step decay of a kind's acceptance counts (~30 steps of memory)
 ALPHA = 0.2       # weight of a new measurement in the time averages
+# a batch size's first passes run slow (llama.cpp sizes its compute buffers for a new batch shape,
+# the first plain step follows the prefill): the estimate starts from the fastest of the first
+# SETTLE passes, and the warm-up takes SETTLE plain steps. One slow first plain step (868 ms against
+# ~250 for 9 rows, on a loaded machine) had otherwise made plain look dear for the whole request,
+# never to be measured again while drafting won.
+SETTLE = 2
 EXPLORE = 8       # while k = 0 wins, probe with one drafted token after EXPLORE plain steps ...
 MAX_EXPLORE = 128  # ... then after twice as many each time, up to this many
 
@@ -73,12 +80,14 @@ class _Acceptance:
             p *= c
         return p
 
-    def fade(self) -> None:
-        """One step of this kind passed: older evidence weighs less (~30 steps of memory, plain
-        steps included, so after a long run of plain steps a probe's result counts)."""
+    def fade(self, steps: int = 1) -> None:
+        """`steps` steps of this kind passed: older evidence weighs less (~30 steps of memory).
+        Plain steps age it too, all at once when a probe ends a run of them: between probes the
+        estimate, and so the choice of plain, stays put."""
+        f = DECAY ** steps
         for j in range(1, len(self.tries)):
-            self.tries[j] *= DECAY
-            self.hits[j] *= DECAY
+            self.tries[j] *= f
+            self.hits[j] *= f
 
     def record(self, drafted: int, accepted: int) -> None:
         self.grow(drafted)
@@ -95,6 +104,7 @@ class DepthPolicy:
         self.max_depth = max_depth             # a model drafter's deepest draft
         self.explore = explore
         self.verify_s: dict[int, float] = {}   # rows -> average seconds of a target pass
+        self.verify_n: dict[int, int] = {}     # rows -> passes measured
         self.draft_s: float | None = None
         # kind -> estimate; None: the model drafter's (prior 1/2, one pseudo-try; BlockPilot sets it)
         self.kinds: dict[Hashable, _Acceptance] = {None: _Acceptance(max_depth, 0.5, 1.0, explore)}
@@ -166,10 +176,9 @@ class DepthPolicy:
         if k == 0 and top > 0:
             est.plain_run += 1
             if est.plain_run >= est.explore_after:  # a one-token probe; the next comes later
+                est.fade(est.plain_run)  # the evidence aged over the plain steps: the probe counts
                 est.plain_run, k = 0, 1
                 est.explore_after = min(2 * est.explore_after, MAX_EXPLORE)
-            else:
-                est.fade()
         else:
             est.plain_run, est.explore_after = 0, self.explore
         self.depths.append(k)
@@ -178,8 +187,8 @@ class DepthPolicy:
     def _choose(self, kind: Hashable, top: int) -> int:
         if (kind is None and self.draft_s is None) or top + 1 not in self.verify_s:
             return top  # measure a full draft and its verify first
-        if 1 not in self.verify_s:
-            return 0  # and one plain step
+        if self.verify_n.get(1, 0) < SETTLE:
+            return 0  # and plain steps
         rates = [self.expected_rate(k, kind) for k in range(top + 1)]
         return max(range(len(rates)), key=lambda k: (rates[k], -k))
 
@@ -189,8 +198,11 @@ class DepthPolicy:
         """One step: `drafted` tokens of a `kind` draft proposed (after cuts), `accepted` of them
         taken, a target pass over `rows` rows taking `verify_s`, and the model draft taking
         `draft_s` (None: the model drafter did not run)."""
-        self.verify_s[rows] = verify_s if rows not in self.verify_s else \
-            (1 - ALPHA) * self.verify_s[rows] + ALPHA * verify_s
+        n = self.verify_n[rows] = self.verify_n.get(rows, 0) + 1
+        if n <= SETTLE:  # a size's first passes: the fastest (see SETTLE)
+            self.verify_s[rows] = min(verify_s, self.verify_s.get(rows, verify_s))
+        else:
+            self.verify_s[rows] = (1 - ALPHA) * self.verify_s[rows] + ALPHA * verify_s
         if draft_s is not None:
             self.draft_s = draft_s if self.draft_s is None else (1 - ALPHA) * self.draft_s + ALPHA * draft_s
         if drafted and kind in self.kinds:

@@ -19,7 +19,7 @@ from blockspec.runtime.engine.sampling import DraftSampler, SamplingParams, samp
 from blockspec.runtime.drafters.tree import DraftTree
 
 MAIN_SEQ = 0
-LOOKUP_PRIOR_WEIGHT = 3.0  # pseudo-tries at a lookup kind's prior (runtime/engine/policy.py)
+LOOKUP_PRIOR_WEIGHT = 1.0  # pseudo-tries at a lookup kind's prior (runtime/engine/policy.py)
 
 
 def acceptance_rule(sampling: SamplingParams, drafter) -> str:
