@@ -64,9 +64,8 @@ class OursAuto:
     def __init__(self, costs: list[float]):
         from blockspec.runtime.engine.policy import SETTLE, DepthPolicy
         from blockspec.runtime.engine.setup import AUTO_NGRAM_DEPTH
-        from blockspec.runtime.engine.speculative import LOOKUP_PRIOR_WEIGHT
 
-        self.depth, self.weight = AUTO_NGRAM_DEPTH, LOOKUP_PRIOR_WEIGHT
+        self.depth = AUTO_NGRAM_DEPTH
         self.drafter = NgramDrafter(block_size=self.depth)
         self.policy = DepthPolicy(self.depth)
         self.policy.verify_s = {n + 1: c for n, c in enumerate(costs[:self.depth + 1])}
@@ -78,7 +77,7 @@ class OursAuto:
         self.kind = tree.kind
         if len(tree) == 1:
             return []
-        k = self.policy.depth(tree.kind, len(tree) - 1, tree.prior, self.weight)
+        k = self.policy.depth(tree.kind, len(tree) - 1, tree.prior)
         return [int(t) for t in tree.tokens[1:k + 1]]
 
     def feedback(self, drafted: int, accepted: int) -> None:

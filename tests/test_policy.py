@@ -9,7 +9,6 @@ from blockspec.runtime.engine.setup import make_drafter, parse_block_size
 from blockspec.runtime.errors import BlockspecError
 from blockspec.runtime.engine.generate import generate
 from blockspec.runtime.engine.policy import DepthPolicy
-from blockspec.runtime.engine.speculative import LOOKUP_PRIOR_WEIGHT
 from blockspec.runtime.llama.prompt import prompt_tokens
 from blockspec.runtime.engine.sampling import SamplingParams
 from blockspec.runtime.llama.target import Target, TargetConfig
@@ -91,7 +90,7 @@ def test_lookup_kinds_are_estimated_apart():
     chosen: dict[int, list[int]] = {3: [], 32: []}
     for step in range(400):
         kind = 32 if step % 2 else 3
-        k = p.depth(kind, 8, prior=(kind - 1) / kind, weight=LOOKUP_PRIOR_WEIGHT)
+        k = p.depth(kind, 8, prior=(kind - 1) / kind)
         accepted = 0
         while accepted < k and rng.random() < (0.95 if kind == 32 else 0.3):
             accepted += 1

@@ -28,7 +28,7 @@ Estimates, all running (they follow the text and the machine):
 - P(>= j) = c_1 * ... * c_j, where c_i, the chance that drafted token i is accepted once tokens
   1..i-1 were, comes from counts of the steps of that kind that reached token i, decayed at
   every step of that kind (plain ones too, applied when a probe ends a plain run), plus
-  `weight` pseudo-tries at the kind's prior (a model drafter: one at 1/2, unless BlockPilot
+  one pseudo-try at the kind's prior (a model drafter: one at 1/2, unless BlockPilot
   predicted this request's acceptance after its prefill: runtime/engine/pilot.py; a lookup: the
   prior it states for its match length); a depth never reached takes the deepest estimated c (the
   drafter is assumed to keep its quality, so the policy tries deeper when the measured depths pay).
@@ -58,8 +58,8 @@ MAX_EXPLORE = 128  # ... then after twice as many each time, up to this many
 class _Acceptance:
     """Decayed acceptance counts of one kind of draft, per depth."""
 
-    def __init__(self, depth: int, prior: float, weight: float, explore: int = EXPLORE):
-        self.prior, self.weight = prior, weight
+    def __init__(self, depth: int, prior: float, explore: int = EXPLORE):
+        self.prior = prior
         self.tries = [0.0] * (depth + 1)  # [j]: decayed steps that reached drafted token j
         self.hits = [0.0] * (depth + 1)   # [j]: ... and accepted it
         self.plain_run = 0  # plain steps since the last draft
@@ -76,7 +76,7 @@ class _Acceptance:
         p, c = 1.0, self.prior
         for i in range(1, j + 1):
             if i < len(self.tries) and self.tries[i] > 0:
-                c = (self.hits[i] + self.weight * self.prior) / (self.tries[i] + self.weight)
+                c = (self.hits[i] + self.prior) / (self.tries[i] + 1.0)
             p *= c
         return p
 
@@ -107,7 +107,7 @@ class DepthPolicy:
         self.verify_n: dict[int, int] = {}     # rows -> passes measured
         self.draft_s: float | None = None
         # kind -> estimate; None: the model drafter's (prior 1/2, one pseudo-try; BlockPilot sets it)
-        self.kinds: dict[Hashable, _Acceptance] = {None: _Acceptance(max_depth, 0.5, 1.0, explore)}
+        self.kinds: dict[Hashable, _Acceptance] = {None: _Acceptance(max_depth, 0.5, explore)}
         self.depths: list[int] = []            # the depth chosen at each step (for stats and tests)
 
     # the model drafter's estimate (kind None), as BlockPilot and the tests address it
@@ -162,15 +162,14 @@ class DepthPolicy:
         return tokens / (v + draft)
 
     # ------------------------------------------------------------------ decisions
-    def depth(self, kind: Hashable = None, available: int | None = None, prior: float = 0.5,
-              weight: float = 1.0) -> int:
+    def depth(self, kind: Hashable = None, available: int | None = None, prior: float = 0.5) -> int:
         """Draft depth for the next step: a model drafter's (kind None, before it runs), or how
-        many of a lookup's `available` drafted tokens to verify (a new kind starts from `weight`
-        pseudo-tries at `prior`)."""
+        many of a lookup's `available` drafted tokens to verify (a new kind starts from one
+        pseudo-try at `prior`)."""
         top = self.max_depth if available is None else available
         est = self.kinds.get(kind)
         if est is None:
-            est = self.kinds[kind] = _Acceptance(top, prior, weight, self.explore)
+            est = self.kinds[kind] = _Acceptance(top, prior, self.explore)
         est.grow(top)
         k = self._choose(kind, top)
         if k == 0 and top > 0:

@@ -52,8 +52,8 @@ def default_method(model_path: str | None, drafter_path: str | None = None) -> s
 
 
 # the deepest n-gram draft `--block-size auto` considers. Replayed on the target's greedy answers to
-# 600 training prompts (SmolLM2, this CPU's verify-cost curve), the match-length policy modelled
-# 1.19x plain at 8 and 1.16x at 16 (its full-depth probes cost more there), 4 tokens always 1.14x
+# 600 training prompts (`benchmarks/ngram_rules.py --cache DIR`, the README's 2-core curve): 1.211x
+# plain, 4 tokens every match 1.176x; a first version's replay (full-depth probes) was slower at 16
 AUTO_NGRAM_DEPTH = 8
 
 

@@ -19,7 +19,6 @@ from blockspec.runtime.engine.sampling import DraftSampler, SamplingParams, samp
 from blockspec.runtime.drafters.tree import DraftTree
 
 MAIN_SEQ = 0
-LOOKUP_PRIOR_WEIGHT = 1.0  # pseudo-tries at a lookup kind's prior (runtime/engine/policy.py)
 
 
 def acceptance_rule(sampling: SamplingParams, drafter) -> str:
@@ -87,7 +86,7 @@ def draft_by_policy(d, policy, history, sampler) -> tuple[DraftTree, bool]:
     if lookup is not None:
         tree = lookup.propose(history)
         if len(tree) > 1:
-            return tree.prefix(policy.depth(tree.kind, len(tree) - 1, tree.prior, LOOKUP_PRIOR_WEIGHT) + 1), True
+            return tree.prefix(policy.depth(tree.kind, len(tree) - 1, tree.prior) + 1), True
     model = d.model if lookup is not None else d
     depth = policy.depth() if model is not None else 0
     if depth == 0:

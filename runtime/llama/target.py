@@ -98,9 +98,8 @@ def safe_extra_bufts() -> bool:
 
 
 class _FloatBuffer:
-    """A float32 buffer at an address, by numpy's array interface: np.ctypeslib.as_array builds a
-    ctypes array type per shape and goes through the PEP 3118 buffer protocol, ~35-100 us a call
-    right after a decode; this is a few."""
+    """A float32 buffer at an address, by numpy's array interface (np.ctypeslib.as_array builds a
+    ctypes array type per shape and goes through the PEP 3118 buffer protocol)."""
 
     __slots__ = ("__array_interface__",)
 
@@ -331,9 +330,8 @@ class Target:
     def logits_rows(self, n: int) -> np.ndarray:
         """[n, n_vocab] logits of the last decode's n requested rows, in batch order
         (llama_get_logits puts the rows back in batch order first): a read-only view of llama.cpp's
-        buffer, valid until this context's next decode; copy what must outlive it. A verify pass
-        reads its rows once, right after the decode, where a 5-row copy (~1 MB from cold memory)
-        took ~0.25 ms of a ~12 ms token."""
+        buffer, valid until this context's next decode; copy what must outlive it (a verify pass
+        reads its rows once, right after the decode)."""
         ptr = _raw().llama_get_logits(self._ctx)
         if not ptr:
             raise RuntimeError("no logits from the last decode")
