@@ -380,7 +380,7 @@ def run_engine(target_path: str | os.PathLike, sources: Sequence[str], out_dir: 
             feats = np.concatenate([target.tap(lid) for lid in layers], -1).astype(np.float16)
             for i, s in enumerate(act):
                 s.feats.append(feats[i:i + 1])
-            record(act, np.stack([target.logits_row(i) for i in range(len(act))]))
+            record(act, target.logits_rows(len(act)))  # a view of llama.cpp's rows, read before the next decode
             n_new += len(act)
             dt = time.time() - t0
             bar.set_postfix_str(f"{n_new / dt:.0f} answer tok/s, {writer.disk_bytes() >> 20} MiB")
