@@ -155,12 +155,15 @@ def test_a_tree_at_the_end_of_the_context_keeps_the_nodes_that_fit(smollm2_path)
 
 
 def test_greedy_lossless_on_qwen_k_quants():
-    """Q4_K_M weights: ggml's CPU kernels round a batch of 4+ rows differently from a single
-    row, so the probe caps verify batches and the output still equals plain decoding."""
+    """Q4_K_M weights: upstream's tiled K-quant matmul (8+ rows) sums in another order than a
+    single row's vec_dot; patch 0004 keeps batches under 64 rows off it, so every verify batch the
+    engine makes equals the rows alone, and the output equals plain decoding."""
+    from blockspec.runtime.llama.target import PROBE_MAX
     from blockspec.runtime.format.modelfile import fetch
 
     with Target(fetch("qwen2.5-coder-0.5b", progress=False), TargetConfig(n_ctx=1024, n_seq_max=8)) as t:
         limit = t.exact_batch_limit
+        assert limit == PROBE_MAX
         for text in ["Write a Python function that reverses a list.", "Count from 1 to 30, separated by commas."]:
             prompt = prompt_tokens(t, text)
             plain = generate(t, prompt, max_tokens=64, sampling=GREEDY)
