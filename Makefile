@@ -234,6 +234,15 @@ eval-drafters: eval-set
 	for d in $(DRAFTERS_DIR)/smollm2-135m-*.q8_0.gguf; do \
 		$(TRAIN) eval --drafter $$d --data $(EVAL_DIR) --target $(SMOLLM2) --batches 64 --by-source || exit 1; done
 
+# $(call specblock_stage,STEPS,SEED,INIT,OUT): stages 6-8, SpecBlock fine-tuned from $(TRAIN_DIR)/INIT on
+# the stage-3 data run with a fresh cosine schedule and batch seed, one thread, resumable (log OUT.log)
+define specblock_stage
+$(TRAIN) specblock --target $(SMOLLM2) --data $(FRESH_DATA_DIR) --batch-size 8 --anchors-per-seq 64 --lr 6e-4 \
+	--warmup 30 --eval-batches 16 --threads 1 --steps $(1) --eval-every 400 --save-every 50 \
+	--log-every 50 --distill-weight 0.5 --seed $(2) --init $(TRAIN_DIR)/$(3) --out $(TRAIN_DIR)/$(4) \
+	>> $(TRAIN_DIR)/$(4).log 2>&1
+endef
+
 # Stage 6 (tenth session): stage 5 trained longer on the same data. Stage 5 saw ~0.6 of an epoch of
 # answer positions (1,200 steps x 8 rows x 64 anchors) and its held-out estimate was still rising
 # (0.65 / 0.71 / 0.77 at steps 400 / 800 / 1,200); DBlast saw ~7%. Each run fine-tunes the fp32
@@ -248,10 +257,7 @@ S6_SPECBLOCK_STEPS ?= 2400
 S5_DBLAST_STEPS ?= 900
 .PHONY: train-specblock-s6 train-dblast-s5
 train-specblock-s6: train-specblock-s5
-	$(TRAIN) specblock --target $(SMOLLM2) --data $(FRESH_DATA_DIR) --batch-size 8 --anchors-per-seq 64 --lr 6e-4 \
-		--warmup 30 --eval-batches 16 --threads 1 --steps $(S6_SPECBLOCK_STEPS) --eval-every 400 --save-every 50 \
-		--log-every 50 --distill-weight 0.5 --seed 1 --init $(TRAIN_DIR)/specblock-s5 --out $(TRAIN_DIR)/specblock-s6 \
-		>> $(TRAIN_DIR)/specblock-s6.log 2>&1
+	$(call specblock_stage,$(S6_SPECBLOCK_STEPS),1,specblock-s5,specblock-s6)
 train-dblast-s5: train-dblast-s4
 	$(TRAIN) dblast $(FRESH_COMMON) --steps $(S5_DBLAST_STEPS) --eval-every 150 --save-every 25 --log-every 20 --loss al \
 		--n-categories 4 --seed 1 --init $(TRAIN_DIR)/dblast-s4 --out $(TRAIN_DIR)/dblast-s5 >> $(TRAIN_DIR)/dblast-s5.log 2>&1
@@ -267,10 +273,7 @@ train-dblast-s5: train-dblast-s4
 S7_SPECBLOCK_STEPS ?= 3600
 .PHONY: train-specblock-s7
 train-specblock-s7: train-specblock-s6
-	$(TRAIN) specblock --target $(SMOLLM2) --data $(FRESH_DATA_DIR) --batch-size 8 --anchors-per-seq 64 --lr 6e-4 \
-		--warmup 30 --eval-batches 16 --threads 1 --steps $(S7_SPECBLOCK_STEPS) --eval-every 400 --save-every 50 \
-		--log-every 50 --distill-weight 0.5 --seed 2 --init $(TRAIN_DIR)/specblock-s6 --out $(TRAIN_DIR)/specblock-s7 \
-		>> $(TRAIN_DIR)/specblock-s7.log 2>&1
+	$(call specblock_stage,$(S7_SPECBLOCK_STEPS),2,specblock-s6,specblock-s7)
 
 # Stage 8 (thirteenth session): stage 7 trained on the data run as it then stood (`train-data-fresh`
 # continued by one worker in the twelfth session: 6,360 prompts, 1,275,088 answer tokens, +18% over
@@ -279,10 +282,7 @@ train-specblock-s7: train-specblock-s6
 S8_SPECBLOCK_STEPS ?= 2400
 .PHONY: train-specblock-s8
 train-specblock-s8: train-specblock-s7
-	$(TRAIN) specblock --target $(SMOLLM2) --data $(FRESH_DATA_DIR) --batch-size 8 --anchors-per-seq 64 --lr 6e-4 \
-		--warmup 30 --eval-batches 16 --threads 1 --steps $(S8_SPECBLOCK_STEPS) --eval-every 400 --save-every 50 \
-		--log-every 50 --distill-weight 0.5 --seed 3 --init $(TRAIN_DIR)/specblock-s7 --out $(TRAIN_DIR)/specblock-s8 \
-		>> $(TRAIN_DIR)/specblock-s8.log 2>&1
+	$(call specblock_stage,$(S8_SPECBLOCK_STEPS),3,specblock-s7,specblock-s8)
 
 drafters: train-specblock-s7 train-dblast-s4  # the shipped SpecBlock is stage 7, the shipped DBlast its stage 4
 	mkdir -p $(DRAFTERS_DIR)
