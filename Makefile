@@ -290,6 +290,14 @@ S8_SPECBLOCK_STEPS ?= 2400
 train-specblock-s8: train-specblock-s7
 	$(call specblock_stage,$(S8_SPECBLOCK_STEPS),3,specblock-s7,specblock-s8)
 
+# Stage 9 (started at the end of the thirteenth session; a rerun resumes from the last checkpoint):
+# stage 8 trained on the data run finished to 9,000 prompts, 2,400 steps, as stage 8.
+S9_SPECBLOCK_STEPS ?= 2400
+.PHONY: train-specblock-s9
+train-specblock-s9: train-specblock-s8
+	$(MAKE) train-data-fresh FRESH_PROMPTS=9000
+	$(call specblock_stage,$(S9_SPECBLOCK_STEPS),4,specblock-s8,specblock-s9)
+
 drafters: train-specblock-s8 train-dblast-s4  # the shipped SpecBlock is stage 8, the shipped DBlast its stage 4
 	mkdir -p $(DRAFTERS_DIR)
 	for d in specblock-s8 dblast-s4; do \
