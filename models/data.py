@@ -119,16 +119,71 @@ PYCODE_MODULES = ("abc", "argparse", "ast", "base64", "bisect", "calendar", "cgi
                   "trace", "traceback", "turtle", "typing", "urllib.parse", "urllib.request", "uuid", "warnings",
                   "wave", "weakref", "webbrowser", "xml.dom.minidom", "zipfile", "zipimport")
 
+# source `pycode-more` (fourteenth session; `pycode` is spent after 1,586 prompts): the rest of the
+# stdlib's documented pure-Python modules, less GUI, codec tables and modules deprecated in 3.11
+PYCODE_MORE_MODULES = ("asyncio.base_events", "asyncio.base_futures", "asyncio.base_subprocess",
+                       "asyncio.coroutines", "asyncio.events", "asyncio.format_helpers", "asyncio.locks",
+                       "asyncio.proactor_events", "asyncio.protocols", "asyncio.queues",
+                       "asyncio.runners", "asyncio.selector_events", "asyncio.sslproto",
+                       "asyncio.staggered", "asyncio.streams", "asyncio.subprocess",
+                       "asyncio.taskgroups", "asyncio.tasks", "asyncio.threads", "asyncio.timeouts",
+                       "asyncio.transports", "asyncio.unix_events", "bdb", "bz2", "cProfile", "code",
+                       "codeop", "compileall", "concurrent.futures.process", "concurrent.futures.thread",
+                       "copyreg", "ctypes", "curses", "curses.textpad", "dbm", "dbm.dumb", "doctest",
+                       "email", "email.base64mime", "email.charset", "email.encoders",
+                       "email.feedparser", "email.generator", "email.header", "email.headerregistry",
+                       "email.iterators", "email.message", "email.parser", "email.policy",
+                       "email.quoprimime", "ensurepip", "fileinput", "getpass", "graphlib", "hashlib",
+                       "http.client", "http.cookiejar", "http.server", "importlib", "importlib.abc",
+                       "importlib.machinery", "importlib.metadata", "importlib.util", "json.decoder",
+                       "json.encoder", "logging.config", "logging.handlers", "lzma", "modulefinder",
+                       "multiprocessing.connection", "multiprocessing.context", "multiprocessing.dummy",
+                       "multiprocessing.forkserver", "multiprocessing.managers", "multiprocessing.pool",
+                       "multiprocessing.process", "multiprocessing.reduction",
+                       "multiprocessing.resource_sharer", "multiprocessing.resource_tracker",
+                       "multiprocessing.shared_memory", "multiprocessing.sharedctypes",
+                       "multiprocessing.spawn", "multiprocessing.util", "netrc", "nturl2path",
+                       "pickletools", "poplib", "profile", "pstats", "pty", "py_compile", "pyclbr",
+                       "rlcompleter", "runpy", "sched", "selectors", "shelve", "signal", "site",
+                       "socketserver", "ssl", "symtable", "sysconfig", "tabnanny", "tracemalloc",
+                       "types", "urllib.response", "urllib.robotparser", "venv", "wsgiref.handlers",
+                       "wsgiref.headers", "wsgiref.simple_server", "wsgiref.util", "wsgiref.validate",
+                       "xml.dom.domreg", "xml.dom.expatbuilder", "xml.dom.pulldom",
+                       "xml.etree.ElementTree", "xmlrpc.client", "xmlrpc.server", "zipapp")
 
-def iter_pycode() -> Iterator[list[Message]]:
+
+def iter_pycode(modules: Sequence[str] = PYCODE_MODULES, after: Sequence[str] = ()) -> Iterator[list[Message]]:
     """Code prompts from the running Python's standard library: each documented public function (and
-    method) as `def name(signature):` with its docstring, for the target to complete, as HumanEval
-    asks, but written by the stdlib's authors, not taken from any benchmark."""
-    import importlib
+    method) of `modules` as `def name(signature):` with its docstring, for the target to complete, as
+    HumanEval asks, but written by the stdlib's authors, not taken from any benchmark. A name or
+    prompt `after`'s modules already gave is skipped."""
     import inspect
 
     seen: set[str] = set()
-    for modname in PYCODE_MODULES:
+    before = {m[0]["content"] for m in iter_pycode(after)} if after else set()
+    if after:
+        seen.update(qual for qual, _ in _documented(after))
+    for qual, fn in _documented(modules):
+        if qual in seen:
+            continue
+        seen.add(qual)
+        try:
+            sig = str(inspect.signature(fn))
+        except (TypeError, ValueError):
+            continue
+        body = "\n".join(("    " + line).rstrip() for line in inspect.getdoc(fn).splitlines())
+        code = f"def {fn.__name__}{sig}:\n    \"\"\"\n{body}\n    \"\"\"\n"
+        if code not in before:
+            yield [{"role": "user", "content": code}]
+
+
+def _documented(modules: Sequence[str]) -> Iterator[tuple[str, object]]:
+    """(qualified name, function) of every public function and method with a docstring of 40+
+    characters in `modules`, in order; a module this Python lacks is skipped."""
+    import importlib
+    import inspect
+
+    for modname in modules:
         try:
             mod = importlib.import_module(modname)
         except Exception:  # noqa: BLE001 - a module this Python lacks is just skipped
@@ -144,19 +199,12 @@ def iter_pycode() -> Iterator[list[Message]]:
                             if inspect.isfunction(f) and not m.startswith("_")]
         for qual, fn in members:
             doc = inspect.getdoc(fn)
-            if not doc or len(doc) < 40 or qual in seen:
-                continue
-            seen.add(qual)
-            try:
-                sig = str(inspect.signature(fn))
-            except (TypeError, ValueError):
-                continue
-            body = "\n".join(("    " + line).rstrip() for line in doc.splitlines())
-            code = f"def {fn.__name__}{sig}:\n    \"\"\"\n{body}\n    \"\"\"\n"
-            yield [{"role": "user", "content": code}]
+            if doc and len(doc) >= 40:
+                yield qual, fn
 
 
-SOURCES = {"sharegpt": iter_sharegpt, "chitchat": iter_chitchat, "pycode": iter_pycode}
+SOURCES = {"sharegpt": iter_sharegpt, "chitchat": iter_chitchat, "pycode": iter_pycode,
+           "pycode-more": lambda: iter_pycode(PYCODE_MORE_MODULES, after=PYCODE_MODULES)}
 
 
 def _norm(text: str) -> str:

@@ -170,3 +170,14 @@ def test_eval_set_is_answered_but_never_trained_on(smollm2_path, tmp_path):
     assert {k: v["heldout_prompts"] for k, v in est["by_source"].items()} == {"mtbench": 2, "humaneval": 1}
     taus = list(est["tau_by_block"].values())
     assert list(est["tau_by_block"]) == [1, 2, 4] and taus == sorted(taus) and taus[-1] == est["tau"]
+
+
+def test_code_sources_never_repeat_a_function():
+    """`pycode-more` continues `pycode` (which keeps its 1,586 prompts, so the recorded `pycode:N`
+    runs still name the same prompts): none of its prompts is one of `pycode`'s."""
+    from blockspec.models import data
+
+    first = [m[0]["content"] for m in data.SOURCES["pycode"]()]
+    more = [m[0]["content"] for m in data.SOURCES["pycode-more"]()]
+    assert len(first) == 1586 and len(more) > 1000  # the recorded runs' counts on Python 3.11
+    assert not set(first) & set(more)
