@@ -298,7 +298,7 @@ train-specblock-s8: train-specblock-s7
 # seed. Resumable: rerun to continue the data run or the training.
 S9_DATA_DIR = $(TRAIN_DIR)/data-smollm2-s9
 S9_PROMPTS ?= 2600
-S9_SPECBLOCK_STEPS ?= 1600
+S9_SPECBLOCK_STEPS ?= 2000
 S8_GGUF = $(TRAIN_DIR)/specblock-s8-e03918d.q8_0.gguf
 .PHONY: train-data-s9 train-specblock-s9
 $(S8_GGUF):
