@@ -295,9 +295,11 @@ train-specblock-s8: train-specblock-s7
 # `pycode` (spent after 1,586) left out -- answered as the stage-3 run was, then the stage-8 GGUF
 # as shipped in e03918d (taken from git history, so a fresh clone runs this stage without replaying
 # stages 1-8: hours of data and training) fine-tuned on them with a fresh cosine schedule and batch
-# seed. Resumable: rerun to continue the data run or the training.
+# seed. Resumable: rerun to continue the data run or the training. As run: the sources ran out at
+# 3,000 answered prompts (1,087 pycode-more + 1,913 ShareGPT; 1,998 prompts over 256 tokens skipped:
+# ShareGPT is spent), 562k answer tokens (815k with features), 4.5 GB, ~80 answer tok/s per worker.
 S9_DATA_DIR = $(TRAIN_DIR)/data-smollm2-s9
-S9_PROMPTS ?= 2600
+S9_PROMPTS ?= 3400
 S9_SPECBLOCK_STEPS ?= 2000
 S8_GGUF = $(TRAIN_DIR)/specblock-s8-e03918d.q8_0.gguf
 .PHONY: train-data-s9 train-specblock-s9
