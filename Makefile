@@ -296,7 +296,7 @@ train-specblock-s8: train-specblock-s7
 # as shipped in e03918d (taken from git history, so a fresh clone runs this stage without replaying
 # stages 1-8: hours of data and training) fine-tuned on them with a fresh cosine schedule and batch
 # seed. Resumable: rerun to continue the data run or the training. As run: the sources ran out at
-# 3,000 answered prompts (1,087 pycode-more + 1,913 ShareGPT; 1,998 prompts over 256 tokens skipped:
+# 3,000 answered prompts (all of pycode-more, then ShareGPT to its end; 1,998 over 256 tokens skipped:
 # ShareGPT is spent), 562k answer tokens (815k with features), 4.5 GB, ~80 answer tok/s per worker.
 S9_DATA_DIR = $(TRAIN_DIR)/data-smollm2-s9
 S9_PROMPTS ?= 3400
