@@ -331,6 +331,20 @@ $(S9_GGUF):
 train-specblock-s10: train-data-s9 $(S9_GGUF)
 	$(call specblock_stage,$(S10_SPECBLOCK_STEPS),5,$(S9_GGUF),specblock-s10,$(S9_DATA_DIR))
 
+# DBlast stage 6 (sixteenth session): the shipped stage-4 DBlast (b71a85e, from git history) fine-tuned
+# on stage 9's fresh answers, as stage 9 did for SpecBlock, one thread beside stage 10.
+S6_DBLAST_STEPS ?= 600
+DBLAST_S4_GGUF = $(TRAIN_DIR)/dblast-s4-b71a85e.q8_0.gguf
+.PHONY: train-dblast-s6
+$(DBLAST_S4_GGUF):
+	mkdir -p $(TRAIN_DIR)
+	git show b71a85e:$(DRAFTERS_DIR)/smollm2-135m-dblast.q8_0.gguf > $@.part && mv $@.part $@
+train-dblast-s6: train-data-s9 $(DBLAST_S4_GGUF)
+	$(TRAIN) dblast --target $(SMOLLM2) --data $(S9_DATA_DIR) --batch-size 8 --anchors-per-seq 16 --lr 6e-4 \
+		--warmup 30 --eval-batches 16 --threads 1 --steps $(S6_DBLAST_STEPS) --eval-every 150 --save-every 25 \
+		--log-every 20 --loss al --n-categories 4 --seed 2 --init $(DBLAST_S4_GGUF) \
+		--out $(TRAIN_DIR)/dblast-s6 >> $(TRAIN_DIR)/dblast-s6.log 2>&1
+
 drafters: train-specblock-s9 train-dblast-s4  # the shipped SpecBlock is stage 9, the shipped DBlast its stage 4
 	mkdir -p $(DRAFTERS_DIR)
 	for d in specblock-s9 dblast-s4; do \
