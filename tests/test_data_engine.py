@@ -181,3 +181,22 @@ def test_code_sources_never_repeat_a_function():
     more = [m[0]["content"] for m in data.SOURCES["pycode-more"]()]
     assert len(first) == 1586 and len(more) > 1000  # the recorded runs' counts on Python 3.11
     assert not set(first) & set(more)
+
+
+def test_prompt_length_window(smollm2_path, tmp_path):
+    """--min-prompt / --max-prompt answer exactly the prompts whose templated length is in the
+    window (a later run takes what an earlier --max-prompt skipped) and count the rest."""
+    prompts = _prompts_file(tmp_path, 5)
+    _run(smollm2_path, prompts, tmp_path / "all", n_prompts=5, max_new=2)
+    n_prompt = {int(s["prompt_idx"]): int(s["answer_start"]) for s in _sequences(tmp_path / "all")}
+    lo = sorted(n_prompt.values())[2]
+    s = _run(smollm2_path, prompts, tmp_path / "long", n_prompts=5, max_new=2, min_prompt=lo)
+    assert [int(q["prompt_idx"]) for q in _sequences(tmp_path / "long")] == \
+        sorted(i for i, n in n_prompt.items() if n >= lo)
+    assert s["too_short"] == sum(n < lo for n in n_prompt.values())
+    # settings that no prompt can meet, or another window over the same cache: one clear line
+    from blockspec.runtime.errors import BlockspecError
+    with pytest.raises(BlockspecError, match="--min-prompt"):
+        _run(smollm2_path, prompts, tmp_path / "none", min_prompt=300, max_prompt=256)
+    with pytest.raises(BlockspecError, match="min_prompt"):
+        _run(smollm2_path, prompts, tmp_path / "long", n_prompts=5, max_new=2, min_prompt=lo + 1)
