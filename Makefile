@@ -321,7 +321,10 @@ train-specblock-s9: train-data-s9 $(S8_GGUF)
 # Stage 10 (sixteenth session): stage 9 as shipped in f4c4910 (from git history, as stage 9 takes
 # stage 8) trained on stage 9's data again with a fresh cosine schedule and batch seed: stage 9's
 # held-out score was still rising at its end (0.920 / 0.967 / 1.024 / 1.063 / 1.090 at steps 400 /
-# 800 / 1,200 / 1,600 / 2,000), as stage 6's was before stage 7 added +0.03.
+# 800 / 1,200 / 1,600 / 2,000), as stage 6's was before stage 7 added +0.03. As run: 1,600 steps in
+# 68 min; held-out 0.987 / 1.025 / 1.091 / 1.124 at steps 400 / 800 / 1,200 / 1,600; evaluation set
+# tau 1.835 -> 1.869 (MT-Bench 1.763 -> 1.778, first token 0.488 -> 0.495); bench (smollm2-s10-bench)
+# T = 0 / 1 tau 1.83 -> 1.85 / 1.56 -> 1.59, fixed-block speed 0.80x -> 0.83x / 0.67x -> 0.73x: shipped.
 S10_SPECBLOCK_STEPS ?= 1600
 S9_GGUF = $(TRAIN_DIR)/specblock-s9-f4c4910.q8_0.gguf
 .PHONY: train-specblock-s10
@@ -360,9 +363,9 @@ train-dblast-s6: train-data-s9 $(DBLAST_S4_GGUF)
 		--log-every 20 --loss al --n-categories 4 --seed 2 --init $(DBLAST_S4_GGUF) \
 		--out $(TRAIN_DIR)/dblast-s6 >> $(TRAIN_DIR)/dblast-s6.log 2>&1
 
-drafters: train-specblock-s9 train-dblast-s4  # the shipped SpecBlock is stage 9, the shipped DBlast its stage 4
+drafters: train-specblock-s10 train-dblast-s4  # the shipped SpecBlock is stage 10, the shipped DBlast its stage 4
 	mkdir -p $(DRAFTERS_DIR)
-	for d in specblock-s9 dblast-s4; do \
+	for d in specblock-s10 dblast-s4; do \
 		$(VENV)/bin/blockspec convert drafter $(TRAIN_DIR)/$$d $(DRAFTERS_DIR)/smollm2-135m-$${d%-*}.q8_0.gguf \
 			--outtype q8_0 --target $(SMOLLM2) || exit 1; done
 
