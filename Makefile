@@ -329,7 +329,7 @@ train-specblock-s9: train-data-s9 $(S8_GGUF)
 # held-out score was still rising at its end (0.920 / 0.967 / 1.024 / 1.063 / 1.090 at steps 400 /
 # 800 / 1,200 / 1,600 / 2,000), as stage 6's was before stage 7 added +0.03. As run: 1,600 steps in
 # 68 min; held-out 0.987 / 1.025 / 1.091 / 1.124 at steps 400 / 800 / 1,200 / 1,600; evaluation set
-# tau 1.835 -> 1.869 (MT-Bench 1.763 -> 1.778, first token 0.488 -> 0.495); bench (smollm2-s10-bench)
+# tau 1.835 -> 1.869 (MT-Bench 1.763 -> 1.778, HumanEval 1.906 -> 1.933, first token 0.488 -> 0.495); bench (smollm2-s10-bench)
 # T = 0 / 1 tau 1.83 -> 1.85 / 1.56 -> 1.59, fixed-block speed 0.80x -> 0.83x / 0.67x -> 0.73x: shipped.
 S10_SPECBLOCK_STEPS ?= 1600
 S9_GGUF = $(TRAIN_DIR)/specblock-s9-f4c4910.q8_0.gguf
