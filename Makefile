@@ -69,7 +69,8 @@ TRAIN_DIR ?= $(HOME)/blockspec-train
 TRAIN = $(VENV)/bin/blockspec train
 # $(call data_workers,TARGET,DIR,SOURCES,N_PROMPTS,N_PARALLEL,LOG[,MORE_ARGS]): one self-distillation run as two
 # one-thread workers (prompt i goes to worker i % 2; answers are batch-invariant, so the data is the
-# same whatever the split), logs in $(TRAIN_DIR)/LOG-w0.log / -w1.log. Write commas in SOURCES as $(,).
+# same whatever the split), logs in $(TRAIN_DIR)/LOG-w0.log / -w1.log. Write commas in SOURCES as $(,);
+# MORE_ARGS come last, so a --max-prompt there replaces the 256.
 , := ,
 define data_workers
 pids=""; for w in 0 1; do \

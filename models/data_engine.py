@@ -164,10 +164,10 @@ class ShardWriter:
         mp = out / "meta.json"
         if mp.exists():
             old = json.loads(mp.read_text())
-            keys = ("target_sha", "layers", "max_prompt", "max_new", "sample_frac", "seed", "top_k", "sources")
-            diff = [k for k in keys if old.get(k) != meta.get(k)]
-            diff += ["min_prompt"] * (old.get("min_prompt", 0) != meta.get("min_prompt", 0))
-            diff += ["eval_set"] * (bool(old.get("eval_set")) != bool(meta.get("eval_set")))
+            keys = ("target_sha", "layers", "max_prompt", "min_prompt", "max_new", "sample_frac", "seed", "top_k",
+                    "sources", "eval_set")
+            default = asdict(EngineConfig())  # a key an older run did not write had its default then
+            diff = [k for k in keys if old.get(k, default.get(k)) != meta.get(k, default.get(k))]
             if diff:
                 raise BlockspecError(f"{out}: a data run with other settings is there ({', '.join(diff)} differ); "
                                      f"use another --out")
