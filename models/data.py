@@ -156,13 +156,26 @@ def iter_pycode(modules: Sequence[str] = PYCODE_MODULES, after: Sequence[str] = 
     """Code prompts from the running Python's standard library: each documented public function (and
     method) of `modules` as `def name(signature):` with its docstring, for the target to complete, as
     HumanEval asks, but written by the stdlib's authors, not taken from any benchmark. A name or
-    prompt `after`'s modules already gave is skipped."""
+    prompt `after`'s modules already gave is skipped. Listed in a fresh interpreter, so the prompts
+    do not depend on what this process imported (torch replaces `inspect.getfile`, for one)."""
+    import subprocess
+    import sys
+
+    script = ("import json, sys; from blockspec.models.data import _pycode_prompts as p; "
+              "a = json.loads(sys.argv[1]); print(json.dumps(p(a[0], a[1])))")
+    out = subprocess.run([sys.executable, "-c", script, json.dumps([list(modules), list(after)])],
+                         capture_output=True, text=True, check=True).stdout
+    for code in json.loads(out):
+        yield [{"role": "user", "content": code}]
+
+
+def _pycode_prompts(modules: Sequence[str], after: Sequence[str]) -> list[str]:
+    """`iter_pycode`'s prompts, listed in this process."""
     import inspect
 
-    seen: set[str] = set()
-    before = {m[0]["content"] for m in iter_pycode(after)} if after else set()
-    if after:
-        seen.update(qual for qual, _ in _documented(after))
+    seen = {qual for qual, _ in _documented(after)}
+    before = set(_pycode_prompts(after, ())) if after else set()
+    prompts = []
     for qual, fn in _documented(modules):
         if qual in seen:
             continue
@@ -174,7 +187,8 @@ def iter_pycode(modules: Sequence[str] = PYCODE_MODULES, after: Sequence[str] = 
         body = "\n".join(("    " + line).rstrip() for line in inspect.getdoc(fn).splitlines())
         code = f"def {fn.__name__}{sig}:\n    \"\"\"\n{body}\n    \"\"\"\n"
         if code not in before:
-            yield [{"role": "user", "content": code}]
+            prompts.append(code)
+    return prompts
 
 
 def _documented(modules: Sequence[str]) -> Iterator[tuple[str, object]]:
