@@ -70,7 +70,7 @@ def _common(method: str):
     """The options of `blockspec train <method>`: target, out, data, then the method's TrainConfig fields."""
     def add(fn):
         fn = click.option("--data", default="", type=click.Path(),
-                          help="feature cache dir (`train features`); not used with --features on-the-fly")(fn)
+                          help="feature cache dir (`train data` / `train features`); several self-distilled caches, comma-separated, are read as one; not used with --features on-the-fly")(fn)
         fn = click.option("--out", required=True, type=click.Path(), help="checkpoint dir (resumed if present)")(fn)
         fn = click.option("--target", required=True, type=click.Path(exists=True), help="target GGUF")(fn)
         return _config_options(method)(fn)

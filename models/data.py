@@ -493,20 +493,31 @@ class RaggedFeatures:
         self.offsets = np.concatenate([[0], np.cumsum(self.lengths)[:-1]]).astype(np.int64)
 
     @classmethod
-    def load(cls, cache_dir: str | os.PathLike, layers: Sequence[int] | None = None,
+    def load(cls, cache_dir: str | os.PathLike | Sequence[str | os.PathLike], layers: Sequence[int] | None = None,
              max_tokens: int | None = None) -> "RaggedFeatures":
         """All shards (or the first ones up to `max_tokens` tokens), feature columns of `layers`
         selected shard by shard and copied into arrays allocated once: the peak memory is the
         kept columns plus one shard (a concatenation at the end doubled it, which a 1.5M-token
-        cache's five taps, 8.8 GB, could not afford beside another training run)."""
+        cache's five taps, 8.8 GB, could not afford beside another training run). `cache_dir` may
+        be several caches of one target and taps, read as one in the order given; each keeps its
+        own prompt numbers, so each holds out its own tenth of prompts."""
         from safetensors import safe_open
         from safetensors.numpy import load_file
 
-        d = Path(cache_dir)
+        dirs = [Path(cache_dir)] if isinstance(cache_dir, (str, os.PathLike)) else [Path(c) for c in cache_dir]
+        d = dirs[0]
         meta = json.loads((d / "meta.json").read_text())
-        shards = sorted(d.glob("shard_*.safetensors"))
-        if not shards:
-            raise FileNotFoundError(f"{d}: no feature shards (build them with `blockspec train data`)")
+        shards = []
+        for other in dirs:
+            found = sorted(other.glob("shard_*.safetensors"))
+            if not found:
+                raise FileNotFoundError(f"{other}: no feature shards (build them with `blockspec train data`)")
+            m = json.loads((other / "meta.json").read_text())
+            for key in ("format", "target_sha", "layers", "dim", "top_k"):
+                if m.get(key) != meta.get(key):
+                    raise ValueError(f"{other}: its {key} {m.get(key)!r} differs from {d}'s {meta.get(key)!r}; "
+                                     f"only caches of one target and taps are read together")
+            shards += found
         cols = None
         if layers is not None:
             have, H = list(meta["layers"]), meta["dim"]
@@ -552,10 +563,14 @@ class RaggedFeatures:
 
 
 def open_feature_cache(cache_dir: str | os.PathLike, layers: Sequence[int] | None = None):
-    """The feature source of a cache directory: self-distilled (ragged) or text (padded)."""
-    meta = json.loads((Path(cache_dir) / "meta.json").read_text())
+    """The feature source of a cache directory: self-distilled (ragged) or text (padded). Several
+    self-distilled caches, comma-separated, are read as one."""
+    dirs = str(cache_dir).split(",")
+    meta = json.loads((Path(dirs[0]) / "meta.json").read_text())
     if meta.get("format") == "ragged":
-        return RaggedFeatures.load(cache_dir, layers)
+        return RaggedFeatures.load(dirs, layers)
+    if len(dirs) > 1:
+        raise ValueError(f"{dirs[0]}: a text feature cache; only self-distilled caches are read together")
     return CachedFeatures.load(cache_dir, layers)
 
 

@@ -455,17 +455,19 @@ def feature_source(c: TrainConfig, target, layers):
     from . import data
 
     if c.features == "cache":
-        if not (Path(c.data) / "meta.json").exists():
-            from blockspec.runtime.errors import BlockspecError
+        from blockspec.runtime.errors import BlockspecError
 
-            raise BlockspecError(f"--data {c.data}: no feature cache there (build one with `blockspec train "
-                                 f"features`, or use --features on-the-fly)")
-        if json.loads((Path(c.data) / "meta.json").read_text()).get("eval_set"):
-            from blockspec.runtime.errors import BlockspecError
-
-            raise BlockspecError(f"--data {c.data}: an evaluation set (`train data --eval-set`); it is never "
-                                 f"trained on, only `blockspec train eval` reads it")
-        return data.open_feature_cache(c.data, layers)
+        for d in c.data.split(","):
+            if not (Path(d) / "meta.json").exists():
+                raise BlockspecError(f"--data {d}: no feature cache there (build one with `blockspec train "
+                                     f"features`, or use --features on-the-fly)")
+            if json.loads((Path(d) / "meta.json").read_text()).get("eval_set"):
+                raise BlockspecError(f"--data {d}: an evaluation set (`train data --eval-set`); it is never "
+                                     f"trained on, only `blockspec train eval` reads it")
+        try:
+            return data.open_feature_cache(c.data, layers)
+        except ValueError as e:
+            raise BlockspecError(f"--data: {e}") from None
     return data.OnlineFeatures.from_text(target, c.target, layers, sources=[s for s in c.sources.split(",") if s],
                                          n_seqs=c.n_seqs, max_len=c.max_len)
 

@@ -124,6 +124,32 @@ def test_trainer_reads_answers_only(smollm2_path, tmp_path):
     assert counts.sum() == sum(int(n - a) for n, a in zip(src.lengths, src.answer_start))
 
 
+def test_caches_read_together(smollm2_path, tmp_path):
+    """`--data A,B`: two runs read as one cache, in order, each holding out its own prompts; a
+    cache of other taps is refused with one line naming what differs."""
+    from blockspec.models.data import RaggedFeatures, open_feature_cache
+    from blockspec.models.train import Batches
+
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in PROMPTS[4:7]))
+    _run(smollm2_path, _prompts_file(tmp_path, 4), tmp_path / "a")
+    _run(smollm2_path, other, tmp_path / "b", n_prompts=3)
+    from blockspec.models.data_engine import EngineConfig, run_engine
+
+    a, b = RaggedFeatures.load(tmp_path / "a", [1, 29]), RaggedFeatures.load(tmp_path / "b", [1, 29])
+    ab = open_feature_cache(f"{tmp_path / 'a'},{tmp_path / 'b'}", [1, 29])
+    assert np.array_equal(ab.lengths, np.concatenate([a.lengths, b.lengths]))
+    assert np.array_equal(ab.prompt_idx, np.concatenate([a.prompt_idx, b.prompt_idx]))
+    for k in a.flat:
+        assert np.array_equal(ab.flat[k], np.concatenate([a.flat[k], b.flat[k]]))
+    held = Batches(ab, 4, 0.5, seed=0).split["heldout"]  # every 2nd prompt of each run, greedy answers
+    assert np.array_equal(held, np.flatnonzero((ab.prompt_idx % 2 == 0) & ~ab.sampled)) and len(held)
+    run_engine(smollm2_path, [str(other)], tmp_path / "c", [1, 29],
+               EngineConfig(n_prompts=1, n_parallel=1, max_new=4, threads=1), progress=False)
+    with pytest.raises(ValueError, match="layers"):
+        open_feature_cache(f"{tmp_path / 'a'},{tmp_path / 'c'}")
+
+
 def test_bad_prompts_file_names_the_line(smollm2_path, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "hello"}\n{"prompt": \n')
