@@ -359,7 +359,7 @@ train-data-s11: setup
 # 9's and stage 11's answers read as one cache, a fresh cosine schedule and batch seed. The data run
 # had both cores, so training starts after it: `make train-specblock-s11 STAGE_THREADS=2`. As run: on
 # the 1,291 stage-11 prompts answered when the data run was stopped (`make train-data-s11
-# S11_PROMPTS=1291` answers the same prompts but for the few in flight at the stop), 1,600 steps in
+# S11_PROMPTS=1291` answers the same prompts but for up to 64 a worker had in flight at the stop), 1,600 steps in
 # 39 min on two threads; held-out (stages 9 and 11's tenths together) 0.948 / 1.013 / 1.044 / 1.074
 # at steps 400 / 800 / 1,200 / 1,600; evaluation set tau 1.869 -> 1.902 (MT-Bench 1.778 -> 1.817,
 # HumanEval 1.933 -> 1.966, first token 0.495 -> 0.512); bench (smollm2-s11-bench) T = 0 tau 1.85 ->
