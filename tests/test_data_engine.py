@@ -128,14 +128,13 @@ def test_caches_read_together(smollm2_path, tmp_path):
     """`--data A,B`: two runs read as one cache, in order, each holding out its own prompts; a
     cache of other taps is refused with one line naming what differs."""
     from blockspec.models.data import RaggedFeatures, open_feature_cache
+    from blockspec.models.data_engine import EngineConfig, run_engine
     from blockspec.models.train import Batches
 
     other = tmp_path / "other.jsonl"
     other.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in PROMPTS[4:7]))
     _run(smollm2_path, _prompts_file(tmp_path, 4), tmp_path / "a")
     _run(smollm2_path, other, tmp_path / "b", n_prompts=3)
-    from blockspec.models.data_engine import EngineConfig, run_engine
-
     a, b = RaggedFeatures.load(tmp_path / "a", [1, 29]), RaggedFeatures.load(tmp_path / "b", [1, 29])
     ab = open_feature_cache(f"{tmp_path / 'a'},{tmp_path / 'b'}", [1, 29])
     assert np.array_equal(ab.lengths, np.concatenate([a.lengths, b.lengths]))
