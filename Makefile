@@ -372,6 +372,17 @@ $(S10_GGUF):
 train-specblock-s11: train-data-s9 train-data-s11 $(S10_GGUF)
 	$(call specblock_stage,$(S11_SPECBLOCK_STEPS),6,$(S10_GGUF),specblock-s11,$(S9_DATA_DIR)$(,)$(S11_DATA_DIR))
 
+# Stage 12 (eighteenth session): the shipped stage 11 (5a019fe, from git history) on stages 9 and 11's
+# answers read as one, now with the rest of stage 11's prompts answered; a fresh cosine schedule and
+# batch seed, longer (stage 11's held-out estimate still rose 0.03 per 400 steps at its end).
+S12_SPECBLOCK_STEPS ?= 2000
+S11_GGUF = $(TRAIN_DIR)/specblock-s11-5a019fe.q8_0.gguf
+.PHONY: train-specblock-s12
+$(S11_GGUF):
+	$(call git_gguf,5a019fe,specblock)
+train-specblock-s12: train-data-s9 train-data-s11 $(S11_GGUF)
+	$(call specblock_stage,$(S12_SPECBLOCK_STEPS),7,$(S11_GGUF),specblock-s12,$(S9_DATA_DIR)$(,)$(S11_DATA_DIR))
+
 # DBlast stage 6 (sixteenth session): the shipped stage-4 DBlast (b71a85e, from git history) fine-tuned
 # on stage 9's fresh answers, as stage 9 did for SpecBlock, one thread beside stage 10. As run: 600
 # steps in 23 min; held-out accepted tokens per block 0.334 / 0.370 / 0.413 / 0.414 at steps 150 /
