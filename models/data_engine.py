@@ -174,11 +174,19 @@ class ShardWriter:
         tmp = mp.with_suffix(".tmp")
         tmp.write_text(json.dumps(meta, indent=1))
         os.replace(tmp, mp)
+        self.scan()
+        for p in out.glob(f"{prefix}*.tmp"):
+            p.unlink()  # a shard of ours cut short by a crash (other workers' are theirs)
+        self.n_own = len(list(out.glob(f"{prefix}[0-9]*.safetensors")))
+        self.pending: list[dict] = []
+
+    def scan(self) -> None:
+        """The folder's totals, every worker's shards: prompts done, tokens, answer tokens, bytes."""
         from safetensors import safe_open
 
         self.done: set[int] = set()
         self.n_tokens = self.n_answer = self.bytes = 0
-        self.shards = sorted(out.glob("shard_*.safetensors"))
+        self.shards = sorted(self.out.glob("shard_*.safetensors"))
         for p in self.shards:
             with safe_open(str(p), "numpy") as f:
                 idx = f.get_tensor("prompt_idx")
@@ -187,10 +195,6 @@ class ShardWriter:
             self.bytes += p.stat().st_size
             self.n_tokens += int(lengths.sum())
             self.n_answer += int((lengths - starts).sum())
-        for p in out.glob(f"{prefix}*.tmp"):
-            p.unlink()  # a shard of ours cut short by a crash (other workers' are theirs)
-        self.n_own = len(list(out.glob(f"{prefix}[0-9]*.safetensors")))
-        self.pending: list[dict] = []
 
     def add(self, slot: Slot, k: int) -> None:
         a = slot.arrays(k)
@@ -214,12 +218,8 @@ class ShardWriter:
         if shutil.disk_usage(self.out).free < need:
             raise BlockspecError(f"{self.out}: out of disk ({shutil.disk_usage(self.out).free >> 20} MiB free); "
                                  f"{len(self.shards)} shards kept, rerun to resume")
-        path, self.n_own = save_shard(self.out, self.prefix, self.n_own, data)
-        self.shards.append(path)
-        self.bytes += path.stat().st_size
-        self.done.update(s["prompt_idx"] for s in seqs)
-        self.n_tokens += int(data["lengths"].sum())
-        self.n_answer += int((data["lengths"] - data["answer_start"]).sum())
+        _, self.n_own = save_shard(self.out, self.prefix, self.n_own, data)
+        self.scan()  # other workers' shards written since count too (the bar and summary are the run's)
 
     def disk_bytes(self) -> int:
         return self.bytes
@@ -381,6 +381,7 @@ def run_engine(target_path: str | os.PathLike, sources: Sequence[str], out_dir: 
                 start(*item)
             if not slots:
                 break
+            bar.n = max(bar.n, len(writer.done) + len(writer.pending))  # other workers' shards, once written
             act = sorted(slots.values(), key=lambda s: s.seq)
             target.decode([s.tokens[-1] for s in act], [len(s.tokens) - 1 for s in act],
                           [(s.seq,) for s in act], logits=[True] * len(act))

@@ -158,16 +158,32 @@ def test_bad_prompts_file_names_the_line(smollm2_path, tmp_path):
     assert f"{bad}:2" in r.stderr.strip().splitlines()[-1]
 
 
-def test_workers_split_the_prompts(smollm2_path, tmp_path):
-    prompts, out = _prompts_file(tmp_path, 5), tmp_path / "data"
-    for w in (1, 0):
-        _run(smollm2_path, prompts, out, n_prompts=5, worker=w, workers=2, max_new=4)
+def test_workers_split_the_prompts(smollm2_path, tmp_path, monkeypatch):
+    from blockspec.models import data_engine
+
+    prompts, out, other = _prompts_file(tmp_path, 5), tmp_path / "data", tmp_path / "other"
+    _run(smollm2_path, prompts, other, n_prompts=5, worker=1, workers=2, max_new=4)
+    save = data_engine.save_shard
+
+    def while_running(*a, **kw):  # worker 1 writes its shards while worker 0 runs
+        for p in other.glob("shard_w1_*"):
+            if not (out / p.name).exists():
+                shutil.copy(p, out / p.name)
+        return save(*a, **kw)
+
+    monkeypatch.setattr(data_engine, "save_shard", while_running)
+    summary = _run(smollm2_path, prompts, out, n_prompts=5, worker=0, workers=2, max_new=4)
+    seqs = _sequences(out)
     names = sorted(p.name for p in out.glob("shard_*"))
     assert names[0].startswith("shard_w0_") and names[-1].startswith("shard_w1_")
-    assert [int(s["prompt_idx"]) for s in _sequences(out)] == list(range(5))
+    assert [int(s["prompt_idx"]) for s in seqs] == list(range(5))
+    # the summary is the folder's, the other worker's shards written during the run included
+    assert summary["prompts"] == len(seqs) and summary["shards"] == len(names)
+    assert summary["answer_tokens"] == sum(int(s["lengths"] - s["answer_start"]) for s in seqs)
+    assert summary["new_answer_tokens"] < summary["answer_tokens"]
     # a single-process rerun over the same cache finds everything done
+    monkeypatch.undo()
     assert _run(smollm2_path, prompts, out, n_prompts=5, max_new=4)["done_before"] == 5
-
 
 def test_eval_set_is_answered_but_never_trained_on(smollm2_path, tmp_path):
     from blockspec.models.data_engine import EngineConfig, prompt_source_names, run_engine
