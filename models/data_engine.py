@@ -174,6 +174,9 @@ class ShardWriter:
         tmp = mp.with_suffix(".tmp")
         tmp.write_text(json.dumps(meta, indent=1))
         os.replace(tmp, mp)
+        self.done: set[int] = set()
+        self.n_tokens = self.n_answer = self.bytes = 0
+        self.shards: list[Path] = []
         self.scan()
         for p in out.glob(f"{prefix}*.tmp"):
             p.unlink()  # a shard of ours cut short by a crash (other workers' are theirs)
@@ -181,13 +184,15 @@ class ShardWriter:
         self.pending: list[dict] = []
 
     def scan(self) -> None:
-        """The folder's totals, every worker's shards: prompts done, tokens, answer tokens, bytes."""
+        """Add the shards written since the last scan, any worker's, to the folder's totals: prompts
+        done, tokens, answer tokens, bytes."""
         from safetensors import safe_open
 
-        self.done: set[int] = set()
-        self.n_tokens = self.n_answer = self.bytes = 0
-        self.shards = sorted(self.out.glob("shard_*.safetensors"))
-        for p in self.shards:
+        seen = set(self.shards)
+        for p in sorted(self.out.glob("shard_*.safetensors")):
+            if p in seen:
+                continue
+            self.shards.append(p)
             with safe_open(str(p), "numpy") as f:
                 idx = f.get_tensor("prompt_idx")
                 lengths, starts = f.get_tensor("lengths"), f.get_tensor("answer_start")
@@ -358,7 +363,7 @@ def run_engine(target_path: str | os.PathLike, sources: Sequence[str], out_dir: 
         target.remove(slot.seq, 0, -1)
         free.append(slot.seq)
         del slots[slot.seq]
-        bar.update(1)
+        bar.update(len(writer.done) + len(writer.pending) - bar.n)  # this answer, and other workers' once written
 
     def start(idx: int, toks: list[int]) -> None:
         seq = free.pop()
@@ -381,7 +386,6 @@ def run_engine(target_path: str | os.PathLike, sources: Sequence[str], out_dir: 
                 start(*item)
             if not slots:
                 break
-            bar.n = max(bar.n, len(writer.done) + len(writer.pending))  # other workers' shards, once written
             act = sorted(slots.values(), key=lambda s: s.seq)
             target.decode([s.tokens[-1] for s in act], [len(s.tokens) - 1 for s in act],
                           [(s.seq,) for s in act], logits=[True] * len(act))
