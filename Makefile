@@ -417,7 +417,15 @@ train-data-s13-long: setup
 
 # Stage 13 (nineteenth session): the shipped stage 12 (d58a45a, from git history) on stage 13's two
 # runs read as one (stages 9 and 11's answers are not reused: that machine's disk is gone, and
-# stage 12 has trained on them), a fresh cosine schedule and batch seed.
+# stage 12 has trained on them), a fresh cosine schedule and batch seed. As run: both data runs
+# stopped with Ctrl-C after 61 / 75 min -- `train-data-s13` 1,864 prompts, 369k answer tokens (515k
+# with features), 2.8 GB, 101-103 answer tok/s on its one thread; `train-data-s13-long` 611 prompts,
+# 141k answer tokens (595k with features), 3.3 GB, 32-33 answer tok/s -- then 1,600 steps in 42 min
+# on two threads; held-out (both runs' tenths: sampled answers, not comparable with earlier stages')
+# 0.819 / 0.899 / 0.907 / 0.946 at steps 400-1,600. Evaluation set tau 1.943 -> 1.923 (MT-Bench
+# 1.869 -> 1.864, HumanEval 1.992 -> 1.927; first token 0.519 -> 0.524, later positions lower):
+# not shipped. Chat answers alone pulled the drafter off code (stages 9-12 always had stage 9's
+# stdlib-code answers in the mix) without moving MT-Bench.
 S13_SPECBLOCK_STEPS ?= 1600
 S12_GGUF = $(TRAIN_DIR)/specblock-s12-d58a45a.q8_0.gguf
 .PHONY: train-specblock-s13
