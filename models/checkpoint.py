@@ -85,3 +85,39 @@ def load_checkpoint(path: str | os.PathLike):
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise BlockspecError(f"{d}: cannot load drafter weights: {first}") from None
     return model, meta
+
+
+def average_drafters(a: str | os.PathLike, b: str | os.PathLike, out: str | os.PathLike, weight: float) -> Path:
+    """Write (1 - weight) * A + weight * B as a checkpoint dir (a weight-space average of two drafters of
+    one shape and draft vocabulary, e.g. a fine-tune and the drafter it started from). BlockspecError,
+    one line, for drafters that cannot be averaged; OUT is written whole or not at all."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    if not 0.0 <= weight <= 1.0:
+        raise BlockspecError(f"--weight {weight}: expected 0..1")
+    (ma, meta_a), (mb, _) = load_checkpoint(a), load_checkpoint(b)
+    if dataclasses.asdict(ma.args) != dataclasses.asdict(mb.args):
+        raise BlockspecError(f"{a} and {b}: drafters of different shapes cannot be averaged")
+    sa, sb = ma.state_dict(), mb.state_dict()
+    state = {}
+    for k, vb in sb.items():
+        va = sa[k].to(vb.dtype)
+        if not vb.is_floating_point():
+            if not torch.equal(va, vb):
+                raise BlockspecError(f"{a} and {b}: different {k} (draft vocabularies differ), cannot be averaged")
+            state[k] = vb.contiguous()
+        else:
+            state[k] = ((1.0 - weight) * va + weight * vb).contiguous()
+    d = Path(out)
+    tmp = d.with_name(d.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(state, str(tmp / "drafter.safetensors"))
+    meta = dict(model_args=dataclasses.asdict(mb.args), averaged=dict(a=str(a), b=str(b), weight=weight))
+    (tmp / "drafter.json").write_text(json.dumps(meta, indent=1))
+    shutil.rmtree(d, ignore_errors=True)
+    os.replace(tmp, d)
+    return d

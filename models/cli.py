@@ -172,6 +172,19 @@ def eval_cmd(drafter, data, target, batches, by_source):
                                            by_source=prompt_source_names if by_source else None)))
 
 
+@train.command("average")
+@click.argument("a", type=click.Path(exists=True))
+@click.argument("b", type=click.Path(exists=True))
+@click.option("--out", required=True, type=click.Path(), help="checkpoint dir to write")
+@click.option("--weight", default=0.5, show_default=True, help="B's share: (1 - w) * A + w * B")
+def average_cmd(a, b, out, weight):
+    """Weight-space average of two drafters (checkpoint dirs or GGUFs) of one shape and draft
+    vocabulary, e.g. a fine-tune and the drafter it started from."""
+    from .checkpoint import average_drafters
+
+    click.echo(json.dumps(dict(out=str(average_drafters(a, b, out, weight)), a=a, b=b, weight=weight)))
+
+
 @train.command("blockpilot-labels")
 @click.option("--target", required=True, type=click.Path(exists=True), help="target GGUF")
 @click.option("--method", type=click.Choice(["specblock", "dblast"]), default="specblock", show_default=True,

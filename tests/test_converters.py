@@ -483,3 +483,31 @@ def test_bench_exports_blockspec_dblast_for_upstream(llama_q, tmp_path, monkeypa
     stamp = up.stat().st_mtime_ns
     assert cached_export(str(ours), llama_q) == up and up.stat().st_mtime_ns == stamp
     assert cached_export(str(up), llama_q) == up
+
+
+def test_train_average_two_drafters(tmp_path):
+    """`blockspec train average A B --out C --weight w`: C's weights are (1 - w) A + w B, C loads as a
+    drafter; drafters of different shapes: one line naming both, no C written."""
+    import dataclasses
+
+    from safetensors.torch import load_file, save_file
+
+    from blockspec.models.checkpoint import load_checkpoint
+
+    def ckpt(name, model):
+        d = tmp_path / name
+        d.mkdir()
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(d / "drafter.safetensors"))
+        (d / "drafter.json").write_text(json.dumps(dict(model_args=dataclasses.asdict(model.args))))
+        return d
+
+    a, b = _dblast(seed=0), _dblast(seed=1)
+    r = run_cli("train", "average", str(ckpt("a", a)), str(ckpt("b", b)), "--out", str(tmp_path / "c"), "--weight", "0.25")
+    assert r.returncode == 0, r.output
+    c = load_file(str(tmp_path / "c" / "drafter.safetensors"))
+    for k, v in a.state_dict().items():
+        torch.testing.assert_close(c[k], 0.75 * v + 0.25 * b.state_dict()[k])
+    load_checkpoint(tmp_path / "c")
+    r = run_cli("train", "average", str(tmp_path / "a"), str(ckpt("d", _dblast(n_layer=1))), "--out", str(tmp_path / "e"))
+    assert r.returncode != 0 and "different shapes" in r.output and len(r.output.strip().splitlines()) == 1
+    assert not (tmp_path / "e").exists()
