@@ -435,14 +435,14 @@ train-specblock-s13: train-data-s13 train-data-s13-long $(S12_GGUF)
 	$(call specblock_stage,$(S13_SPECBLOCK_STEPS),8,$(S12_GGUF),specblock-s13,$(S13_DATA_DIR)$(,)$(S13L_DATA_DIR))
 
 # Stage 13a (nineteenth session): the weight-space average of stage 12 (its GGUF) and stage 13
-# (`blockspec train average A B --out C --weight 0.5`): stage 13 moved toward the new chat answers and off
+# (`blockspec train average --a A --b B --out C --weight 0.5`): stage 13 moved toward the new chat answers and off
 # code, the average keeps both. As run: evaluation set tau 1.943 (stage 12) / 1.923 (stage 13) ->
 # 1.979 (MT-Bench 1.869 / 1.864 -> 1.912, HumanEval 1.992 / 1.927 -> 2.002, first token 0.519 /
 # 0.524 -> 0.540); bench on 40 prompts T = 0 (smollm2-s13a-bench40) tau 1.82 -> 1.87, passes
 # accepting 46.9% -> 52.0%, speed 0.79x -> 0.81x: shipped.
 .PHONY: train-specblock-s13a
 train-specblock-s13a: train-specblock-s13 $(S12_GGUF)
-	$(TRAIN) average $(S12_GGUF) $(TRAIN_DIR)/specblock-s13 --out $(TRAIN_DIR)/specblock-s13a --weight 0.5
+	$(TRAIN) average --a $(S12_GGUF) --b $(TRAIN_DIR)/specblock-s13 --out $(TRAIN_DIR)/specblock-s13a --weight 0.5
 
 # DBlast stage 6 (sixteenth session): the shipped stage-4 DBlast (b71a85e, from git history) fine-tuned
 # on stage 9's fresh answers, as stage 9 did for SpecBlock, one thread beside stage 10. As run: 600

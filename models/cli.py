@@ -173,8 +173,8 @@ def eval_cmd(drafter, data, target, batches, by_source):
 
 
 @train.command("average")
-@click.argument("a", type=click.Path(exists=True))
-@click.argument("b", type=click.Path(exists=True))
+@click.option("--a", "a", required=True, type=click.Path(exists=True), help="drafter A (checkpoint dir or GGUF)")
+@click.option("--b", "b", required=True, type=click.Path(exists=True), help="drafter B, same shape and draft vocabulary")
 @click.option("--out", required=True, type=click.Path(), help="checkpoint dir to write")
 @click.option("--weight", default=0.5, show_default=True, help="B's share: (1 - w) * A + w * B")
 def average_cmd(a, b, out, weight):

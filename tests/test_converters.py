@@ -486,7 +486,7 @@ def test_bench_exports_blockspec_dblast_for_upstream(llama_q, tmp_path, monkeypa
 
 
 def test_train_average_two_drafters(tmp_path):
-    """`blockspec train average A B --out C --weight w`: C's weights are (1 - w) A + w B, C loads as a
+    """`blockspec train average --a A --b B --out C --weight w`: C's weights are (1 - w) A + w B, C loads as a
     drafter; drafters of different shapes: one line naming both, no C written."""
     import dataclasses
 
@@ -502,12 +502,12 @@ def test_train_average_two_drafters(tmp_path):
         return d
 
     a, b = _dblast(seed=0), _dblast(seed=1)
-    r = run_cli("train", "average", str(ckpt("a", a)), str(ckpt("b", b)), "--out", str(tmp_path / "c"), "--weight", "0.25")
+    r = run_cli("train", "average", "--a", str(ckpt("a", a)), "--b", str(ckpt("b", b)), "--out", str(tmp_path / "c"), "--weight", "0.25")
     assert r.returncode == 0, r.output
     c = load_file(str(tmp_path / "c" / "drafter.safetensors"))
     for k, v in a.state_dict().items():
         torch.testing.assert_close(c[k], 0.75 * v + 0.25 * b.state_dict()[k])
     load_checkpoint(tmp_path / "c")
-    r = run_cli("train", "average", str(tmp_path / "a"), str(ckpt("d", _dblast(n_layer=1))), "--out", str(tmp_path / "e"))
+    r = run_cli("train", "average", "--a", str(tmp_path / "a"), "--b", str(ckpt("d", _dblast(n_layer=1))), "--out", str(tmp_path / "e"))
     assert r.returncode != 0 and "different shapes" in r.output and len(r.output.strip().splitlines()) == 1
     assert not (tmp_path / "e").exists()
