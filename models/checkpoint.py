@@ -98,7 +98,7 @@ def average_drafters(a: str | os.PathLike, b: str | os.PathLike, out: str | os.P
 
     if not 0.0 <= weight <= 1.0:
         raise BlockspecError(f"--weight {weight}: expected 0..1")
-    (ma, meta_a), (mb, _) = load_checkpoint(a), load_checkpoint(b)
+    (ma, _), (mb, _) = load_checkpoint(a), load_checkpoint(b)
     if dataclasses.asdict(ma.args) != dataclasses.asdict(mb.args):
         raise BlockspecError(f"{a} and {b}: drafters of different shapes cannot be averaged")
     sa, sb = ma.state_dict(), mb.state_dict()
