@@ -440,9 +440,22 @@ train-specblock-s13: train-data-s13 train-data-s13-long $(S12_GGUF)
 # 1.979 (MT-Bench 1.869 / 1.864 -> 1.912, HumanEval 1.992 / 1.927 -> 2.002, first token 0.519 /
 # 0.524 -> 0.540); bench on 40 prompts T = 0 (smollm2-s13a-bench40) tau 1.82 -> 1.87, passes
 # accepting 46.9% -> 52.0%, speed 0.79x -> 0.81x: shipped.
+# The weight swept in the twentieth session (evaluation set tau at w 0.3 / 0.4 / 0.5 / 0.6 / 0.7:
+# 1.974 / 1.975 / 1.979 / 1.979 / 1.966): a flat top at 0.5-0.6, so 0.5 stays.
 .PHONY: train-specblock-s13a
 train-specblock-s13a: train-specblock-s13 $(S12_GGUF)
 	$(TRAIN) average --a $(S12_GGUF) --b $(TRAIN_DIR)/specblock-s13 --out $(TRAIN_DIR)/specblock-s13a --weight 0.5
+
+# Stage 14 data (twentieth session): code answers again. Stage 13 (chat answers alone) lost 0.065
+# HumanEval tau, so the next stage keeps code in the mix: every `pycode` and `pycode-more` prompt
+# (answered greedy or one-in-four sampled in stages 2, 3 and 9) answered again with every answer
+# sampled under another seed, two one-thread workers (resumable: rerun to continue).
+S14_DATA_DIR = $(TRAIN_DIR)/data-smollm2-s14
+S14_PROMPTS ?= 4000
+.PHONY: train-data-s14
+train-data-s14: setup
+	mkdir -p $(TRAIN_DIR)
+	$(call data_workers,$(SMOLLM2),$(S14_DATA_DIR),pycode$(,)pycode-more,$(S14_PROMPTS),64,data-s14,--sample-frac 1 --seed 1)
 
 # DBlast stage 6 (sixteenth session): the shipped stage-4 DBlast (b71a85e, from git history) fine-tuned
 # on stage 9's fresh answers, as stage 9 did for SpecBlock, one thread beside stage 10. As run: 600
