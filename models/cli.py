@@ -158,7 +158,7 @@ def data_cmd(target, sources, out, layers, **opts):
 
 @train.command("eval")
 @click.option("--drafter", required=True, type=click.Path(exists=True), help="checkpoint dir or drafter GGUF")
-@click.option("--data", required=True, type=click.Path(exists=True), help="self-distilled cache (`train data`)")
+@click.option("--data", required=True, help="self-distilled cache (`train data`); several, comma-separated, read as one")
 @click.option("--target", required=True, type=click.Path(exists=True), help="target GGUF")
 @click.option("--batches", default=32, show_default=True, help="held-out batches of 8 sequences x 16 blocks")
 @click.option("--by-source", is_flag=True, help="also the estimate on each prompt source alone (--batches each)")

@@ -204,6 +204,16 @@ class Batches:
         self.weighted = start is not None
         self.row_p = {k: self._row_p(ids) for k, ids in self.split.items()}
 
+    def require_heldout(self, data: str) -> None:
+        """BlockspecError, one line, when there is nothing to estimate on: the held-out prompts of a
+        self-distilled cache count only where their answer is greedy."""
+        from blockspec.runtime.errors import BlockspecError
+
+        if not len(self.split["heldout"]):
+            raise BlockspecError(f"--data {data}: no held-out greedy answers to estimate on (every held-out "
+                                 "answer is sampled: `train data --sample-frac 1`); add a cache with greedy "
+                                 "answers (--data A,B)")
+
     def _row_p(self, ids: np.ndarray):
         if not self.weighted or not len(ids):
             return None
@@ -555,6 +565,7 @@ def train(c: TrainConfig, target=None, progress: bool = True, source=None) -> di
         step, history = prev["step"], prev.get("history", [])
         print(f"resumed from {out} at step {step}")
     batches = Batches(source, model.args.n_predict, c.heldout_frac, c.seed + step)
+    batches.require_heldout(c.data)
     span = cross_block_shift(c, model.args.n_predict) + model.args.n_predict
     model.train()
     bar = tqdm(total=c.steps, initial=step, desc=f"train {c.method}", disable=not progress)
@@ -621,6 +632,9 @@ def evaluate_drafter(drafter: str, data: str, target_path: str, n_batches: int =
     from . import data as data_mod
     from .target import load_target
 
+    for d in data.split(","):
+        if not (Path(d) / "meta.json").exists():
+            raise BlockspecError(f"--data {d}: no feature cache there (build one with `blockspec train data`)")
     target = target or load_target(target_path)
     if Path(drafter).is_dir():
         model, meta = load_drafter(drafter, target)
@@ -637,6 +651,7 @@ def evaluate_drafter(drafter: str, data: str, target_path: str, n_batches: int =
     if source.meta.get("eval_set"):  # evaluation prompts: every one is held out
         heldout_frac = 1.0
     batches = Batches(source, a.n_predict, heldout_frac, seed=0)
+    batches.require_heldout(data)
     out = dict(drafter=str(drafter), **_estimate_summary(estimate_acceptance(model, batches, c)),
                heldout_prompts=len(batches.split["heldout"]))
     if by_source is not None:

@@ -213,6 +213,20 @@ def test_eval_set_is_answered_but_never_trained_on(smollm2_path, tmp_path):
     assert list(est["tau_by_block"]) == [1, 2, 4] and taus == sorted(taus) and taus[-1] == est["tau"]
 
 
+def test_estimate_needs_held_out_greedy_answers(smollm2_path, tmp_path):
+    """The estimate predicts greedy serving, so it reads held-out prompts' greedy answers only: on a
+    cache whose every answer is sampled, `train eval` stops with one line (not a numpy traceback),
+    and a missing cache in a comma-separated --data is named."""
+    from blockspec.runtime.engine.setup import shipped_drafter
+
+    out = tmp_path / "sampled"
+    _run(smollm2_path, _prompts_file(tmp_path, 2), out, n_prompts=2, max_new=4, sample_frac=1.0)
+    for data, why in [(str(out), "no held-out greedy answers"), (f"{out},{tmp_path / 'none'}", "no feature cache")]:
+        r = run_cli("train", "eval", "--drafter", shipped_drafter("specblock"), "--data", data,
+                    "--target", str(smollm2_path), "--batches", "1")
+        assert r.returncode != 0 and why in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
 def test_code_sources_never_repeat_a_function():
     """`pycode-more` continues `pycode` (which keeps its 1,586 prompts, so the recorded `pycode:N`
     runs still name the same prompts): none of its prompts is one of `pycode`'s."""
