@@ -497,6 +497,18 @@ train-dblast-s6: train-data-s9 $(DBLAST_S4_GGUF)
 		--log-every 20 --loss al --n-categories 4 --seed 2 --init $(DBLAST_S4_GGUF) \
 		--out $(TRAIN_DIR)/dblast-s6 >> $(TRAIN_DIR)/dblast-s6.log 2>&1
 
+# Stage 15 data (started at the end of the twentieth session, for the next stage): ShareGPT's
+# 257-512-token prompts (stage 11's, answered greedy or one-in-four sampled; they moved MT-Bench
+# most) answered again, every answer sampled under another seed, two one-thread workers
+# (resumable: rerun to continue). The next stage trains on it with stage 14's code answers, then
+# averages with its start, as stages 13a and 14a did.
+S15_DATA_DIR = $(TRAIN_DIR)/data-smollm2-s15
+S15_PROMPTS ?= 3000
+.PHONY: train-data-s15
+train-data-s15: setup
+	mkdir -p $(TRAIN_DIR)
+	$(call data_workers,$(SMOLLM2),$(S15_DATA_DIR),sharegpt,$(S15_PROMPTS),64,data-s15,--min-prompt 257 --max-prompt 512 --sample-frac 1 --seed 1)
+
 # DBlast stage 7 / 7a (twentieth session): the shipped stage-4 DBlast on stage 13's chat answers, 300
 # steps on one thread (14 min), then averaged with its start as SpecBlock's stage 13a was. As run:
 # held-out 0.359 accepted per block at step 300; evaluation set tau 1.347 (stage 4) -> 1.323 (stage
