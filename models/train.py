@@ -459,6 +459,20 @@ def load_drafter(ckpt_dir: str | os.PathLike, target=None):
     return model, meta
 
 
+def cache_metas(data: str) -> dict[str, dict]:
+    """Each comma-separated cache dir of --data with its meta.json; BlockspecError, one line, naming
+    a dir that holds no feature cache."""
+    from blockspec.runtime.errors import BlockspecError
+
+    metas = {}
+    for d in data.split(","):
+        if not (Path(d) / "meta.json").exists():
+            raise BlockspecError(f"--data {d}: no feature cache there (build one with `blockspec train data` "
+                                 f"or `train features`)")
+        metas[d] = json.loads((Path(d) / "meta.json").read_text())
+    return metas
+
+
 def feature_source(c: TrainConfig, target, layers):
     """The batch source `c.features` names: the cache in c.data, or on-the-fly features of the
     text the cache builder would read."""
@@ -467,11 +481,8 @@ def feature_source(c: TrainConfig, target, layers):
     if c.features == "cache":
         from blockspec.runtime.errors import BlockspecError
 
-        for d in c.data.split(","):
-            if not (Path(d) / "meta.json").exists():
-                raise BlockspecError(f"--data {d}: no feature cache there (build one with `blockspec train "
-                                     f"features`, or use --features on-the-fly)")
-            if json.loads((Path(d) / "meta.json").read_text()).get("eval_set"):
+        for d, meta in cache_metas(c.data).items():
+            if meta.get("eval_set"):
                 raise BlockspecError(f"--data {d}: an evaluation set (`train data --eval-set`); it is never "
                                      f"trained on, only `blockspec train eval` reads it")
         try:
@@ -632,9 +643,7 @@ def evaluate_drafter(drafter: str, data: str, target_path: str, n_batches: int =
     from . import data as data_mod
     from .target import load_target
 
-    for d in data.split(","):
-        if not (Path(d) / "meta.json").exists():
-            raise BlockspecError(f"--data {d}: no feature cache there (build one with `blockspec train data`)")
+    cache_metas(data)
     target = target or load_target(target_path)
     if Path(drafter).is_dir():
         model, meta = load_drafter(drafter, target)
