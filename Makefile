@@ -509,6 +509,20 @@ train-data-s15: setup
 	mkdir -p $(TRAIN_DIR)
 	$(call data_workers,$(SMOLLM2),$(S15_DATA_DIR),sharegpt,$(S15_PROMPTS),64,data-s15,--min-prompt 257 --max-prompt 512 --sample-frac 1 --seed 1)
 
+# Stage 15 (twenty-first session): the shipped stage 14a (3f06eb1, from git history) on stage 15's
+# re-sampled long chat answers, stage 14's re-sampled code answers and stage 13-long's answers (their
+# greedy tenth is the held-out split: the other two are all sampled), a fresh cosine schedule and
+# batch seed; then the average of the fine-tune and its start (`train-specblock-s15a`).
+S15_SPECBLOCK_STEPS ?= 1600
+S14A_GGUF = $(TRAIN_DIR)/specblock-s14a-3f06eb1.q8_0.gguf
+.PHONY: train-specblock-s15 train-specblock-s15a
+$(S14A_GGUF):
+	$(call git_gguf,3f06eb1,specblock)
+train-specblock-s15: train-data-s13-long train-data-s14 train-data-s15 $(S14A_GGUF)
+	$(call specblock_stage,$(S15_SPECBLOCK_STEPS),10,$(S14A_GGUF),specblock-s15,$(S13L_DATA_DIR)$(,)$(S14_DATA_DIR)$(,)$(S15_DATA_DIR))
+train-specblock-s15a: train-specblock-s15 $(S14A_GGUF)
+	$(TRAIN) average --a $(S14A_GGUF) --b $(TRAIN_DIR)/specblock-s15 --out $(TRAIN_DIR)/specblock-s15a --weight 0.5
+
 # DBlast stage 7 / 7a (twentieth session): the shipped stage-4 DBlast on stage 13's chat answers, 300
 # steps on one thread (14 min), then averaged with its start as SpecBlock's stage 13a was. As run:
 # held-out 0.359 accepted per block at step 300; evaluation set tau 1.347 (stage 4) -> 1.323 (stage
