@@ -500,8 +500,7 @@ train-dblast-s6: train-data-s9 $(DBLAST_S4_GGUF)
 # Stage 15 data (started at the end of the twentieth session, for the next stage): ShareGPT's
 # 257-512-token prompts (stage 11's, answered greedy or one-in-four sampled; they moved MT-Bench
 # most) answered again, every answer sampled under another seed, two one-thread workers
-# (resumable: rerun to continue). The next stage trains on it with stage 14's code answers, then
-# averages with its start, as stages 13a and 14a did.
+# (resumable: rerun to continue). Stage 15 below trains on it.
 S15_DATA_DIR = $(TRAIN_DIR)/data-smollm2-s15
 S15_PROMPTS ?= 3000
 .PHONY: train-data-s15

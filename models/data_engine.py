@@ -375,6 +375,16 @@ def run_engine(target_path: str | os.PathLike, sources: Sequence[str], out_dir: 
         slots[seq] = slot
         record([slot], target.logits_row(-1)[None])
 
+    def summarize(stopped: bool) -> dict:
+        """The folder's totals (every worker's shards) and this run's rate, written to summary.json."""
+        writer.scan()
+        dt = time.time() - t0
+        summary = dict(out=str(out), prompts=len(writer.done), shards=len(writer.shards), tokens=writer.n_tokens,
+                       answer_tokens=writer.n_answer, new_answer_tokens=n_new, stopped=stopped,
+                       answer_tok_per_s=round(n_new / max(dt, 1e-9), 1), disk_mib=writer.disk_bytes() >> 20, **stats)
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        return summary
+
     try:
         exhausted = False
         while True:
@@ -399,13 +409,9 @@ def run_engine(target_path: str | os.PathLike, sources: Sequence[str], out_dir: 
         writer.flush()
     except KeyboardInterrupt:
         writer.flush()  # finished answers are kept; the ones in flight are answered again on resume
+        summarize(stopped=True)  # what the folder holds now, for a run stopped short
         raise
     finally:
         bar.close()
         target.close()
-    dt = time.time() - t0
-    summary = dict(out=str(out), prompts=len(writer.done), shards=len(writer.shards), tokens=writer.n_tokens,
-                   answer_tokens=writer.n_answer, new_answer_tokens=n_new,
-                   answer_tok_per_s=round(n_new / max(dt, 1e-9), 1), disk_mib=writer.disk_bytes() >> 20, **stats)
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    return summary
+    return summarize(stopped=False)

@@ -93,8 +93,24 @@ def test_resume_after_interruption_and_full_disk(smollm2_path, tmp_path, monkeyp
         _run(smollm2_path, prompts, out, n_prompts=6)
     assert sorted(p.name for p in out.glob("shard_*")) == first
     monkeypatch.undo()
+    # Ctrl-C mid-run: finished answers are written and summary.json says what the folder holds
+    calls = {"n": 0}
+    real_top_k = data_engine.top_k_logp
+
+    def interrupt_late(*a, **k):
+        calls["n"] += 1
+        if calls["n"] > 6:  # a few decode steps in: three answers in flight
+            raise KeyboardInterrupt
+        return real_top_k(*a, **k)
+
+    monkeypatch.setattr(data_engine, "top_k_logp", interrupt_late)
+    with pytest.raises(KeyboardInterrupt):
+        _run(smollm2_path, prompts, out, n_prompts=6)
+    stopped = json.loads((out / "summary.json").read_text())
+    assert stopped["stopped"] and stopped["prompts"] == len(_sequences(out)) >= 2
+    monkeypatch.undo()
     summary = _run(smollm2_path, prompts, out, n_prompts=6)
-    assert summary["done_before"] == 2 and summary["prompts"] == 6
+    assert summary["done_before"] == stopped["prompts"] and summary["prompts"] == 6 and not summary["stopped"]
     assert not list(out.glob("*.tmp"))
     assert [int(s["prompt_idx"]) for s in _sequences(out)] == list(range(6))
     with pytest.raises(BlockspecError, match="other settings"):
