@@ -530,6 +530,20 @@ train-specblock-s15: train-data-s13-long train-data-s14 train-data-s15 $(S14A_GG
 train-specblock-s15a: train-specblock-s15 $(S14A_GGUF)
 	$(TRAIN) average --a $(S14A_GGUF) --b $(TRAIN_DIR)/specblock-s15 --out $(TRAIN_DIR)/specblock-s15a --weight 0.5
 
+# Stage 16 (twenty-second session): the shipped stage 15a (bafd77f, from git history) fine-tuned again
+# the same way once the stage-15 data run had gone on (resumed with `make train-data-s15`) to more of
+# its 3,000 prompts, with stage 14's code answers and stage 13-long's (the held-out split); a fresh
+# batch seed; then the average with its start (`train-specblock-s16a`).
+S16_SPECBLOCK_STEPS ?= 1600
+S15A_GGUF = $(TRAIN_DIR)/specblock-s15a-bafd77f.q8_0.gguf
+.PHONY: train-specblock-s16 train-specblock-s16a
+$(S15A_GGUF):
+	$(call git_gguf,bafd77f,specblock)
+train-specblock-s16: train-data-s13-long train-data-s14 train-data-s15 $(S15A_GGUF)
+	$(call specblock_stage,$(S16_SPECBLOCK_STEPS),11,$(S15A_GGUF),specblock-s16,$(S13L_DATA_DIR)$(,)$(S14_DATA_DIR)$(,)$(S15_DATA_DIR))
+train-specblock-s16a: train-specblock-s16 $(S15A_GGUF)
+	$(TRAIN) average --a $(S15A_GGUF) --b $(TRAIN_DIR)/specblock-s16 --out $(TRAIN_DIR)/specblock-s16a --weight 0.5
+
 # DBlast stage 7 / 7a (twentieth session): the shipped stage-4 DBlast on stage 13's chat answers, 300
 # steps on one thread (14 min), then averaged with its start as SpecBlock's stage 13a was. As run:
 # held-out 0.359 accepted per block at step 300; evaluation set tau 1.347 (stage 4) -> 1.323 (stage
