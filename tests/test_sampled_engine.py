@@ -142,8 +142,8 @@ def test_rejection_sampling_with_drafter_q_matches_target_law(setup, branches, t
             key = tuple(gen.tokens[:3])
             counts[key] = counts.get(key, 0) + 1
             if key not in joint:  # name the seed, so the run can be replayed alone
-                outside.append((seed, key, gen.stats.accept_hist))
-        assert not outside, f"sampled triples outside the target's support (seed, triple, accepted): {outside[:5]}"
+                outside.append((seed, key, gen.finish_reason, gen.stats.accept_hist))
+        assert not outside, f"sampled triples outside the target's support (seed, triple, finish, accepted): {outside[:5]}"
         return _chi2_pvalue(counts, joint), accepted
 
     pvalue, accepted = law(range(N_REJECTION_RUNS))
