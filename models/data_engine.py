@@ -171,9 +171,7 @@ class ShardWriter:
             if diff:
                 raise BlockspecError(f"{out}: a data run with other settings is there ({', '.join(diff)} differ); "
                                      f"use another --out")
-        tmp = mp.with_suffix(".tmp")
-        tmp.write_text(json.dumps(meta, indent=1))
-        os.replace(tmp, mp)
+        write_json(mp, meta)
         self.done: set[int] = set()
         self.n_tokens = self.n_answer = self.bytes = 0
         self.shards: list[Path] = []
@@ -228,6 +226,14 @@ class ShardWriter:
 
     def disk_bytes(self) -> int:
         return self.bytes
+
+
+def write_json(path: Path, obj) -> None:
+    """Write `obj` as JSON atomically; the temporary file is this process's own, so workers
+    writing the same file side by side never move each other's."""
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
 
 
 def save_shard(out: Path, prefix: str, n: int, data: dict) -> tuple[Path, int]:
@@ -382,7 +388,7 @@ def run_engine(target_path: str | os.PathLike, sources: Sequence[str], out_dir: 
         summary = dict(out=str(out), prompts=len(writer.done), shards=len(writer.shards), tokens=writer.n_tokens,
                        answer_tokens=writer.n_answer, new_answer_tokens=n_new, stopped=stopped,
                        answer_tok_per_s=round(n_new / max(dt, 1e-9), 1), disk_mib=writer.disk_bytes() >> 20, **stats)
-        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        write_json(out / "summary.json", summary)
         return summary
 
     try:
