@@ -235,15 +235,15 @@ eval-drafters: eval-set
 	for d in $(DRAFTERS_DIR)/smollm2-135m-*.q8_0.gguf; do \
 		$(TRAIN) eval --drafter $$d --data $(EVAL_DIR) --target $(SMOLLM2) --batches 64 --by-source || exit 1; done
 
-# $(call specblock_stage,STEPS,SEED,INIT,OUT[,DATA]): stages 6-10, SpecBlock fine-tuned from INIT (a
-# checkpoint folder or GGUF) on DATA (default: the stage-3 data run; several caches: $(,)-separated)
-# with a fresh cosine schedule and batch seed, STAGE_THREADS threads (1 beside another job), resumable
-# (log OUT.log)
+# $(call specblock_stage,STEPS,SEED,INIT,OUT[,DATA[,OPTIONS]]): stages 6-10, SpecBlock fine-tuned from
+# INIT (a checkpoint folder or GGUF) on DATA (default: the stage-3 data run; several caches:
+# $(,)-separated) with a fresh cosine schedule and batch seed, STAGE_THREADS threads (1 beside another
+# job), more `train specblock` OPTIONS, resumable (log OUT.log)
 STAGE_THREADS ?= 1
 define specblock_stage
 $(TRAIN) specblock --target $(SMOLLM2) --data $(or $(5),$(FRESH_DATA_DIR)) --batch-size 8 --anchors-per-seq 64 \
 	--lr 6e-4 --warmup 30 --eval-batches 16 --threads $(STAGE_THREADS) --steps $(1) --eval-every 400 --save-every 50 \
-	--log-every 50 --distill-weight 0.5 --seed $(2) --init $(3) --out $(TRAIN_DIR)/$(4) \
+	--log-every 50 --distill-weight 0.5 --seed $(2) --init $(3) --out $(TRAIN_DIR)/$(4) $(6) \
 	>> $(TRAIN_DIR)/$(4).log 2>&1
 endef
 
@@ -551,6 +551,24 @@ train-specblock-s16: train-data-s13-long train-data-s14 train-data-s15 $(S15A_GG
 	$(call specblock_stage,$(S16_SPECBLOCK_STEPS),11,$(S15A_GGUF),specblock-s16,$(S13L_DATA_DIR)$(,)$(S14_DATA_DIR)$(,)$(S15_DATA_DIR))
 train-specblock-s16a: train-specblock-s16 $(S15A_GGUF)
 	$(TRAIN) average --a $(S15A_GGUF) --b $(TRAIN_DIR)/specblock-s16 --out $(TRAIN_DIR)/specblock-s16a --weight 0.5
+
+# Stage 17 (twenty-third session), capacity: the shipped stage 16a (8dce7f7, from git history) grown
+# from 2 to 4 layers (`--n-layer 4`: the new layers start as copies of its last with their outputs
+# zeroed, so it starts out drafting exactly what 16a drafts) and fine-tuned on stage 16's mix
+# (`train-specblock-s17d`); beside it, as the control, 16a fine-tuned the same way at 2 layers
+# (`train-specblock-s17`), same steps and batch seed: what the depth adds over more steps alone. A
+# 4-layer block costs ~0.18 of a target token here (`benchmarks/draft_cost.py --n-layer 4 --ffn-dim 768
+# --draft-vocab 4096`; 2 layers ~0.10-0.14), inside the quarter-token budget, and its GGUF ~15 MB.
+# Both run on one thread each, side by side: `make -j2 train-specblock-s17 train-specblock-s17d`.
+S17_SPECBLOCK_STEPS ?= 1200
+S16A_GGUF = $(TRAIN_DIR)/specblock-s16a-8dce7f7.q8_0.gguf
+.PHONY: train-specblock-s17 train-specblock-s17d
+$(S16A_GGUF):
+	$(call git_gguf,8dce7f7,specblock)
+train-specblock-s17: train-data-s13-long train-data-s14 train-data-s15 $(S16A_GGUF)
+	$(call specblock_stage,$(S17_SPECBLOCK_STEPS),12,$(S16A_GGUF),specblock-s17,$(S13L_DATA_DIR)$(,)$(S14_DATA_DIR)$(,)$(S15_DATA_DIR))
+train-specblock-s17d: train-data-s13-long train-data-s14 train-data-s15 $(S16A_GGUF)
+	$(call specblock_stage,$(S17_SPECBLOCK_STEPS),12,$(S16A_GGUF),specblock-s17d,$(S13L_DATA_DIR)$(,)$(S14_DATA_DIR)$(,)$(S15_DATA_DIR),--n-layer 4)
 
 # DBlast stage 7 / 7a (twentieth session): the shipped stage-4 DBlast on stage 13's chat answers, 300
 # steps on one thread (14 min), then averaged with its start as SpecBlock's stage 13a was. As run:

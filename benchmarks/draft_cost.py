@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/draft_cost.py [--target X.gguf] [--threads N] [--reps 30]
 
 A random-weight SpecBlock at the target's width (K=4, 2 layers, ffn 1536, draft vocab 8192,
-taps of 3 target layers; --block-size/--ffn-dim/--draft-vocab change them) is written as a drafter GGUF in f16 and q8_0 (converters/drafter.py).
+taps of 3 target layers; --block-size/--n-layer/--ffn-dim/--draft-vocab change them) is written as a drafter GGUF in f16 and q8_0 (converters/drafter.py).
 After a 64-token context (real target taps), it times:
   target  one single-token llama_decode of the target at the end of that context;
   draft   one GgmlSpecBlockDrafter.block_outputs call: the K-row block batch through the drafter
@@ -43,6 +43,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--draft-vocab", type=int, default=8192)
     ap.add_argument("--ffn-dim", type=int, default=1536, help="drafter FFN width (SpecBlock default 1536)")
     ap.add_argument("--block-size", type=int, default=4)
+    ap.add_argument("--n-layer", type=int, default=2, help="drafter layers (the shipped SpecBlock: 2)")
     ap.add_argument("--outtypes", default="f16,q8_0")
     args = ap.parse_args(argv)
 
@@ -57,7 +58,7 @@ def main(argv=None) -> dict:
 
     target_path = Path(args.target or bundled_model_path())
     res = dict(threads=args.threads, target=target_path.name, block_size=args.block_size,
-               ffn_dim=args.ffn_dim, draft_vocab=args.draft_vocab)
+               n_layer=args.n_layer, ffn_dim=args.ffn_dim, draft_vocab=args.draft_vocab)
     with Target(target_path, TargetConfig(n_ctx=512, n_threads=args.threads)) as t:
         layers = [1, t.n_layer // 2, t.n_layer - 1]
         text = "Explain in detail how a block drafter proposes several tokens in one pass. " * 4
@@ -78,7 +79,7 @@ def main(argv=None) -> dict:
         torch.manual_seed(0)
         model = build_model(dict(model_type="specblock", dim=t.n_embd, target_dim=t.n_embd,
                                  n_head=t.n_embd // 64, n_kv_head=max(1, t.n_embd // 192), head_dim=64,
-                                 ffn_dim=args.ffn_dim, n_layer=2, block_size=args.block_size, vocab_size=t.n_vocab,
+                                 ffn_dim=args.ffn_dim, n_layer=args.n_layer, block_size=args.block_size, vocab_size=t.n_vocab,
                                  draft_vocab_size=args.draft_vocab, target_layers=layers)).eval()
         with tempfile.TemporaryDirectory() as tmp:
             for ot in args.outtypes.split(","):

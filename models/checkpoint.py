@@ -89,7 +89,8 @@ def load_checkpoint(path: str | os.PathLike):
 
 def average_drafters(a: str | os.PathLike, b: str | os.PathLike, out: str | os.PathLike, weight: float) -> Path:
     """Write (1 - weight) * A + weight * B as a checkpoint dir (a weight-space average of two drafters of
-    one shape and draft vocabulary, e.g. a fine-tune and the drafter it started from). BlockspecError,
+    one shape and draft vocabulary, e.g. a fine-tune and the drafter it started from; an A with fewer
+    layers is first grown as `train --n-layer` grows it, which is where a grown B started). BlockspecError,
     one line, for drafters that cannot be averaged; OUT is written whole or not at all."""
     import shutil
 
@@ -99,6 +100,8 @@ def average_drafters(a: str | os.PathLike, b: str | os.PathLike, out: str | os.P
     if not 0.0 <= weight <= 1.0:
         raise BlockspecError(f"--weight {weight}: expected 0..1")
     (ma, _), (mb, _) = load_checkpoint(a), load_checkpoint(b)
+    if dataclasses.replace(ma.args, n_layer=mb.args.n_layer) == mb.args and ma.args.n_layer < mb.args.n_layer:
+        ma.grow_layers(mb.args.n_layer)  # B grew from A (`--init A --n-layer`): A as B started from it
     if dataclasses.asdict(ma.args) != dataclasses.asdict(mb.args):
         raise BlockspecError(f"{a} and {b}: drafters of different shapes cannot be averaged")
     sa, sb = ma.state_dict(), mb.state_dict()

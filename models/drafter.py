@@ -207,6 +207,22 @@ class BlockDrafter(nn.Module):
         a method with per-position weights extends or truncates them (SpecBlock)."""
         self.args.block_size = int(block_size)
 
+    def grow_layers(self, n_layer: int) -> None:
+        """Append layers up to `n_layer`, each a copy of the last trained one whose residual
+        outputs (attention output and FFN down projections) start at zero: the grown drafter
+        drafts exactly what it did, and training opens the new layers from trained features."""
+        import copy
+
+        if n_layer < len(self.layers):
+            raise ValueError(f"n_layer {n_layer}: the drafter already has {len(self.layers)} layers")
+        while len(self.layers) < n_layer:
+            layer = copy.deepcopy(self.layers[-1])
+            with torch.no_grad():
+                layer.attn.wo.weight.zero_()
+                layer.ffn.down_proj.weight.zero_()
+            self.layers.append(layer)
+        self.args.n_layer = int(n_layer)
+
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # checkpoints from before the feature scale, and exported states (scale folded into fc)
         state_dict.setdefault(prefix + "feat_scale", torch.ones_like(self.feat_scale))

@@ -96,6 +96,18 @@ class SpecBlock(BlockDrafter):
         self.pos_query = nn.Parameter(torch.stack(rows).clone())
         super().resize_block(block_size)
 
+    def grow_layers(self, n_layer: int) -> None:
+        """New layers as BlockDrafter's; the shift before each starts as [I, 0] (position k-1 not
+        mixed in yet), so the grown drafter drafts exactly what it did."""
+        H = self.args.dim
+        super().grow_layers(n_layer)
+        while len(self.shift) < n_layer - 1:
+            lin = nn.Linear(2 * H, H, bias=False).to(self.pos_query.dtype)
+            with torch.no_grad():
+                lin.weight.zero_()
+                lin.weight[:, :H].copy_(torch.eye(H))
+            self.shift.append(lin)
+
     @staticmethod
     def shift_prev(x: torch.Tensor) -> torch.Tensor:
         """[B, N, K, H] -> the same with position k holding x[k-1] (zeros at k = 0)."""

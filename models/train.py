@@ -63,7 +63,8 @@ class TrainConfig:
     sources: str = _opt("sharegpt,chitchat", "on-the-fly: comma-separated text sources")
     n_seqs: int = _opt(2048, "on-the-fly: training sequences (the cache builder's default)")
     max_len: int = _opt(384, "on-the-fly: tokens per sequence window")
-    n_layer: int = _opt(2, "drafter layers")
+    n_layer: int = _opt(0, "drafter layers (0: 2, or with --init its own; a larger --n-layer grows it: new "
+                           "layers start as copies of its last with their outputs zeroed)")
     ffn_dim: int = _opt(0, "drafter FFN width (0: the target's)")
     block_size: int = _opt(0, "tokens per block (0: the method's default, specblock K=4, dblast B=5)")
     draft_vocab_size: int = _opt(8192, "draft vocabulary size (0: share the target's head)")
@@ -101,7 +102,8 @@ class TrainConfig:
     resume: bool = _opt(True, "continue from the checkpoint in --out if there is one")
     init: str = _opt("", "fine-tune: start from this drafter (checkpoint dir or GGUF), its shape, draft "
                          "vocabulary and weights (the size options are then ignored, but --block-size "
-                         "resizes its block: SpecBlock's new position queries start as its last one)")
+                         "resizes its block: SpecBlock's new position queries start as its last one; "
+                         "and --n-layer grows its layers)")
     repick_vocab: bool = _opt(False, "with --init: re-pick the draft vocabulary (same size) from this data's "
                                      "answers; kept tokens keep their trained head rows, new ones start at the "
                                      "trained rows' mean plus half the target's row")
@@ -120,6 +122,8 @@ def check_config(c: TrainConfig) -> None:
     least = 2 if c.method == "dblast" else 1  # DBlast's block holds the last token, then the drafted ones
     if c.block_size < 0 or block_size < least:
         raise BlockspecError(f"--block-size {c.block_size}: expected at least {least} (0: the method's default)")
+    if c.n_layer < 0:
+        raise BlockspecError(f"--n-layer {c.n_layer}: expected at least 1 (0: 2, or the --init drafter's)")
     if c.features not in FEATURE_SOURCES:
         raise BlockspecError(f"--features {c.features!r}: expected one of {', '.join(FEATURE_SOURCES)}")
     if c.features == "cache" and not c.data:
@@ -162,7 +166,7 @@ def method_defaults(method: str, n_layer_target: int) -> dict:
 def make_model_args(c: TrainConfig, target_args) -> dict:
     d = method_defaults(c.method, target_args.n_layer)
     return dict(
-        model_type=c.method, dim=target_args.dim, n_layer=c.n_layer, n_head=target_args.n_head,
+        model_type=c.method, dim=target_args.dim, n_layer=c.n_layer or 2, n_head=target_args.n_head,
         n_kv_head=target_args.n_kv_head, head_dim=target_args.head_dim, ffn_dim=c.ffn_dim or target_args.ffn_dim,
         vocab_size=target_args.vocab_size, draft_vocab_size=c.draft_vocab_size,
         target_layers=list(c.target_layers or d["target_layers"]), target_dim=target_args.dim,
@@ -520,8 +524,14 @@ def train(c: TrainConfig, target=None, progress: bool = True, source=None) -> di
             raise BlockspecError(f"--init {c.init} is a {model.args.model_type} drafter, not {c.method}")
         if c.block_size and c.block_size != model.args.block_size:
             model.resize_block(c.block_size)
+        if c.n_layer and c.n_layer != model.args.n_layer:
+            if c.n_layer < model.args.n_layer:
+                raise BlockspecError(f"--n-layer {c.n_layer}: --init {c.init} has {model.args.n_layer} layers "
+                                     f"(a fine-tune keeps them or grows them)")
+            model.grow_layers(c.n_layer)
         margs = dataclasses.asdict(model.args)
-        print(json.dumps(dict(init=c.init, block_size=model.args.block_size)), flush=True)
+        print(json.dumps(dict(init=c.init, block_size=model.args.block_size, n_layer=model.args.n_layer)),
+              flush=True)
     else:
         margs = make_model_args(c, target.args)
         model = build_model(margs)

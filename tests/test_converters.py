@@ -511,3 +511,12 @@ def test_train_average_two_drafters(tmp_path):
     r = run_cli("train", "average", "--a", str(tmp_path / "a"), "--b", str(ckpt("d", _dblast(n_layer=1))), "--out", str(tmp_path / "e"))
     assert r.returncode != 0 and "different shapes" in r.output and len(r.output.strip().splitlines()) == 1
     assert not (tmp_path / "e").exists()
+    # B grown from A (`train --init A --n-layer 3`): A is grown the same way first, so the new layers'
+    # zeroed outputs become w * B's
+    g = load_checkpoint(tmp_path / "a")[0]
+    g.grow_layers(a.args.n_layer + 1)
+    r = run_cli("train", "average", "--a", str(tmp_path / "a"), "--b", str(ckpt("g", g)), "--out", str(tmp_path / "f"), "--weight", "0.5")
+    assert r.returncode == 0, r.output
+    f = load_file(str(tmp_path / "f" / "drafter.safetensors"))
+    for k, v in g.state_dict().items():
+        torch.testing.assert_close(f[k], v)

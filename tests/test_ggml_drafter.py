@@ -154,7 +154,7 @@ def drafters(tmp_path_factory, smollm2_path):
         out[ot] = (write_gguf(m, root / f"sb-{ot}.gguf", ot, smollm2_path), _stored(m, ot))
     shared = random_specblock(1, draft_vocab_size=0)
     out["shared"] = (write_gguf(shared, root / "sb-shared.gguf", "f32", smollm2_path), shared)
-    k16 = random_specblock(2, draft_vocab_size=1024, block_size=16)
+    k16 = random_specblock(2, draft_vocab_size=1024, block_size=16, n_layer=3)  # deeper, too
     out["k16"] = (write_gguf(k16, root / "sb-k16.gguf", "f32", smollm2_path), k16)
     return out
 
@@ -239,8 +239,8 @@ def test_block_logits_match_torch(target, taps, drafters, outtype):
 
 @pytest.mark.parametrize("block_size", [16, 8])
 def test_long_block_matches_torch(target, taps, drafters, block_size):
-    """A K = 16 drafter (what GPU users run) in llama.cpp: the whole block, and its first 8 rows
-    when drafting blocks of 8, are torch's (f32)."""
+    """A K = 16 drafter (what GPU users run) with 3 layers (a grown one) in llama.cpp: the whole
+    block, and its first 8 rows when drafting blocks of 8, are torch's (f32)."""
     from blockspec.runtime.drafters.ggml_backend import GgmlSpecBlockDrafter
 
     path, ref = drafters["k16"]

@@ -1,6 +1,8 @@
 """Shared runner over tiny random configs for every drafter: shapes, cache vs no cache, packed
 anchors vs one block at a time, batch of 2; plus the layer-wise shift's direction."""
 
+import dataclasses
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -189,6 +191,30 @@ def test_resized_specblock_drafts_its_trained_positions_unchanged():
     torch.testing.assert_close(k8[:, :, :4], k4, atol=1e-5, rtol=1e-5)
     m.resize_block(2)
     torch.testing.assert_close(m(feats, anchors, last).logits, k8[:, :, :2], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["specblock", "dblast"])
+def test_grown_drafter_drafts_what_it_did_then_learns(name):
+    """--init ... --n-layer: appended layers start with zeroed outputs (and SpecBlock's shift before
+    each as [I, 0]), so the grown drafter's logits are the trained one's; every new weight trains."""
+    m = make(name)
+    a = m.args
+    feats = torch.randn(1, 10, len(a.target_layers) * TD)
+    anchors, last = torch.tensor([[2, 7]]), torch.randint(0, V, (1, 2))
+    before = m(feats, anchors, last).logits
+    n0 = len(m.layers)
+    m.grow_layers(n0 + 2)
+    assert len(m.layers) == m.args.n_layer == n0 + 2
+    assert name != "specblock" or len(m.shift) == n0 + 1
+    out = m(feats, anchors, last).logits
+    torch.testing.assert_close(out, before, atol=1e-5, rtol=1e-5)
+    out.float().square().mean().backward()
+    assert m.layers[-1].attn.wo.weight.grad.abs().sum() > 0
+    assert m.layers[-1].ffn.down_proj.weight.grad.abs().sum() > 0
+    m2 = build_model(dataclasses.asdict(m.args))
+    m2.load_state_dict(m.state_dict())  # the grown shape round-trips through its own args
+    with pytest.raises(ValueError, match="already has"):
+        m.grow_layers(1)
 
 
 def test_tau_by_block_reads_the_accepted_prefix_histogram():
