@@ -559,16 +559,24 @@ train-specblock-s16a: train-specblock-s16 $(S15A_GGUF)
 # (`train-specblock-s17`), same steps and batch seed: what the depth adds over more steps alone. A
 # 4-layer block costs ~0.18 of a target token here (`benchmarks/draft_cost.py --n-layer 4 --ffn-dim 768
 # --draft-vocab 4096`; 2 layers ~0.10-0.14), inside the quarter-token budget, and its GGUF ~15 MB.
-# Both run on one thread each, side by side: `make -j2 train-specblock-s17 train-specblock-s17d`.
+# Each run loads ~12 GB of features, so two cannot run side by side in 24 GiB (the second was
+# killed): `make train-specblock-s17d train-specblock-s17 STAGE_THREADS=2`, one after the other.
+# As run: stage 17d 1,200 steps in 47 min on two threads; held-out 0.783 / 0.902 / 0.947 at steps
+# 400 / 800 / 1,200 (stage 16 from 15a: 0.889 / 0.914 / 0.946 at 400 / 800 / 1,200); evaluation set
+# tau 2.080 (16a) -> 2.041 (17d; MT-Bench 1.841, HumanEval 2.127) -> 2.063 (17da, its average with 16a
+# grown to 4 layers, w 0.5, `train-specblock-s17da`; MT-Bench 1.896, HumanEval 2.138, first token
+# 0.571): below 16a, not shipped.
 S17_SPECBLOCK_STEPS ?= 1200
 S16A_GGUF = $(TRAIN_DIR)/specblock-s16a-8dce7f7.q8_0.gguf
-.PHONY: train-specblock-s17 train-specblock-s17d
+.PHONY: train-specblock-s17 train-specblock-s17d train-specblock-s17da
 $(S16A_GGUF):
 	$(call git_gguf,8dce7f7,specblock)
 train-specblock-s17: train-data-s13-long train-data-s14 train-data-s15 $(S16A_GGUF)
 	$(call specblock_stage,$(S17_SPECBLOCK_STEPS),12,$(S16A_GGUF),specblock-s17,$(S13L_DATA_DIR)$(,)$(S14_DATA_DIR)$(,)$(S15_DATA_DIR))
 train-specblock-s17d: train-data-s13-long train-data-s14 train-data-s15 $(S16A_GGUF)
 	$(call specblock_stage,$(S17_SPECBLOCK_STEPS),12,$(S16A_GGUF),specblock-s17d,$(S13L_DATA_DIR)$(,)$(S14_DATA_DIR)$(,)$(S15_DATA_DIR),--n-layer 4)
+train-specblock-s17da: train-specblock-s17d $(S16A_GGUF)
+	$(TRAIN) average --a $(S16A_GGUF) --b $(TRAIN_DIR)/specblock-s17d --out $(TRAIN_DIR)/specblock-s17da --weight 0.5
 
 # DBlast stage 7 / 7a (twentieth session): the shipped stage-4 DBlast on stage 13's chat answers, 300
 # steps on one thread (14 min), then averaged with its start as SpecBlock's stage 13a was. As run:
