@@ -80,14 +80,19 @@ def test_overfit_checkpoint_resume(tiny, tmp_path, method, extra):
     cfg2 = TrainConfig(**{**cfg.__dict__, "steps": 70})
     train(cfg2, target=target, progress=False)
     assert json.loads((tmp_path / method / "drafter.json").read_text())["step"] == 70
-    # fine-tune: --init starts a new run from the checkpoint's shape and weights, at step 0
+    # fine-tune: --init starts a new run from the checkpoint's shape and weights, at step 0; a larger
+    # --n-layer grows it (the new layers start as the identity), a smaller one is refused
     ft = TrainConfig(**{**cfg.__dict__, "steps": 5, "out": str(tmp_path / "ft"), "init": str(tmp_path / method),
                         "n_layer": 3, "lr": 1e-9, "warmup": 0, "min_lr": 1e-9})
     res_ft = train(ft, target=target, progress=False)
     tuned, meta_ft = load_drafter(tmp_path / "ft", target)
-    assert meta_ft["step"] == 5 and meta_ft["model_args"] == json.loads(
-        (tmp_path / method / "drafter.json").read_text())["model_args"]  # n_layer=3 ignored: the init's shape
-    assert res_ft["accept"] > 0.5, res_ft  # kept what the init learnt (a tiny learning rate)
+    init_args = json.loads((tmp_path / method / "drafter.json").read_text())["model_args"]
+    assert meta_ft["step"] == 5 and meta_ft["model_args"] == {**init_args, "n_layer": 3}
+    assert len(tuned.layers) == 3
+    assert res_ft["accept"] > 0.5, res_ft  # kept what the init learnt (grown, a tiny learning rate)
+    shrink = TrainConfig(**{**ft.__dict__, "init": str(tmp_path / "ft"), "n_layer": 2, "out": str(tmp_path / "shrink")})
+    with pytest.raises(BlockspecError, match="--n-layer 2: .* has 3 layers"):
+        train(shrink, target=target, progress=False)
     bad = TrainConfig(**{**ft.__dict__, "method": "dblast" if method == "specblock" else "specblock",
                          "out": str(tmp_path / "bad")})
     with pytest.raises(BlockspecError, match="drafter, not"):
