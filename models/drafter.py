@@ -16,6 +16,7 @@ accepted context rows.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -211,8 +212,6 @@ class BlockDrafter(nn.Module):
         """Append layers up to `n_layer`, each a copy of the last trained one whose residual
         outputs (attention output and FFN down projections) start at zero: the grown drafter
         drafts exactly what it did, and training opens the new layers from trained features."""
-        import copy
-
         if n_layer < len(self.layers):
             raise ValueError(f"n_layer {n_layer}: the drafter already has {len(self.layers)} layers")
         while len(self.layers) < n_layer:

@@ -79,12 +79,17 @@ class SpecBlock(BlockDrafter):
     def reset_shift(self) -> None:
         """Start each shift as [I, small]: the layer stack begins as a plain transformer and
         learns how much of position k-1 to mix in."""
-        H = self.args.dim
-        with torch.no_grad():
-            for lin in self.shift:
-                lin.weight.zero_()
-                lin.weight[:, :H].copy_(torch.eye(H))
-                lin.weight[:, H:].normal_(0.0, 0.02 / H ** 0.5)
+        for lin in self.shift:
+            self._start_shift(lin, 0.02 / self.args.dim ** 0.5)
+
+    @staticmethod
+    @torch.no_grad()
+    def _start_shift(lin: nn.Linear, prev_std: float) -> None:
+        """lin.weight = [I, N(0, prev_std)]: x[k] passes through, x[k-1] mixed in by that much."""
+        H = lin.out_features
+        lin.weight.zero_()
+        lin.weight[:, :H].copy_(torch.eye(H))
+        lin.weight[:, H:].normal_(0.0, prev_std)
 
     def resize_block(self, block_size: int) -> None:
         """K -> block_size: position queries beyond the trained ones start as copies of the last
@@ -102,10 +107,8 @@ class SpecBlock(BlockDrafter):
         H = self.args.dim
         super().grow_layers(n_layer)
         while len(self.shift) < n_layer - 1:
-            lin = nn.Linear(2 * H, H, bias=False).to(self.pos_query.dtype)
-            with torch.no_grad():
-                lin.weight.zero_()
-                lin.weight[:, :H].copy_(torch.eye(H))
+            lin = nn.Linear(2 * H, H, bias=False).to(self.pos_query)
+            self._start_shift(lin, 0.0)
             self.shift.append(lin)
 
     @staticmethod
