@@ -107,6 +107,8 @@ class TrainConfig:
     repick_vocab: bool = _opt(False, "with --init: re-pick the draft vocabulary (same size) from this data's "
                                      "answers; kept tokens keep their trained head rows, new ones start at the "
                                      "trained rows' mean plus half the target's row")
+    repick_size: int = _opt(0, "with --repick-vocab: the re-picked vocabulary's size (0: the --init drafter's "
+                               "own; a larger one grows the head)")
 
 FEATURE_SOURCES = ("cache", "on-the-fly")
 DEFAULT_BLOCK = {"specblock": 4, "dblast": 5}  # K / B when --block-size is 0
@@ -130,6 +132,10 @@ def check_config(c: TrainConfig) -> None:
         raise BlockspecError("--features cache needs --data DIR (a cache from `blockspec train features`)")
     if c.repick_vocab and not c.init:
         raise BlockspecError("--repick-vocab re-picks an --init drafter's vocabulary (a new drafter picks its own)")
+    if c.repick_size and not c.repick_vocab:
+        raise BlockspecError("--repick-size: the size of a --repick-vocab re-pick; add --repick-vocab")
+    if c.repick_size < 0:
+        raise BlockspecError(f"--repick-size {c.repick_size}: expected at least 1 (0: the --init drafter's own)")
     if c.qk_norm and c.method != "dblast":
         raise BlockspecError(f"--qk-norm: a DBlast option (upstream dflash's attention), not {c.method}'s")
     if c.cross_block_weight:
@@ -529,9 +535,13 @@ def train(c: TrainConfig, target=None, progress: bool = True, source=None) -> di
                 raise BlockspecError(f"--n-layer {c.n_layer}: --init {c.init} has {model.args.n_layer} layers "
                                      f"(a fine-tune keeps them or grows them)")
             model.grow_layers(c.n_layer)
+        if c.repick_size and c.repick_size != model.args.draft_vocab_size:
+            if not model.args.draft_vocab_size:
+                raise BlockspecError(f"--repick-size: --init {c.init} shares the target's head (no draft vocabulary)")
+            model.args.draft_vocab_size = c.repick_size  # the re-pick below (or the resumed checkpoint) fills it
         margs = dataclasses.asdict(model.args)
-        print(json.dumps(dict(init=c.init, block_size=model.args.block_size, n_layer=model.args.n_layer)),
-              flush=True)
+        print(json.dumps(dict(init=c.init, block_size=model.args.block_size, n_layer=model.args.n_layer,
+                              draft_vocab=model.args.draft_vocab_size)), flush=True)
     else:
         margs = make_model_args(c, target.args)
         model = build_model(margs)
@@ -539,6 +549,8 @@ def train(c: TrainConfig, target=None, progress: bool = True, source=None) -> di
         source = feature_source(c, target, margs["target_layers"])
     model.bind_target(target.tok_embeddings.weight, target.head_weight)
     resuming = c.resume and (out / "drafter.json").exists()
+    if resuming and model.vocab.draft_vocab_size != margs["draft_vocab_size"]:
+        model.vocab.resize(margs["draft_vocab_size"])  # --repick-size: the checkpoint's head
     if margs["draft_vocab_size"] and (not c.init or (c.repick_vocab and not resuming)):
         # frequency-based draft vocabulary: the training labels (cache) or the text (on-the-fly)
         counts = source.label_counts(margs["vocab_size"])
@@ -546,20 +558,8 @@ def train(c: TrainConfig, target=None, progress: bool = True, source=None) -> di
         total = max(1, counts.sum())
         info = dict(draft_vocab=margs["draft_vocab_size"])
         if c.init:  # a trained head row follows its token; a new token starts near the trained rows
-            old = model.vocab.d2t.clone()
-            info["init_coverage"] = round(float(counts[old.numpy()].sum() / total), 4)
-            trained = model.vocab.lm_head.weight.detach().clone()
-            old_rows = dict(zip(old.tolist(), trained))
-            # new: the trained rows' mean plus half the target's row. The target's row alone is not in
-            # the trained head's scale: on the stage-4 SpecBlock it took the held-out estimate from
-            # 0.81 to 0.34, this start leaves it at 0.81
-            start = trained.mean(0)
-            model.vocab.set_vocab(d2t, target.head_weight)
-            with torch.no_grad():
-                for i, tok in enumerate(d2t.tolist()):
-                    model.vocab.lm_head.weight[i] = old_rows[tok] if tok in old_rows else \
-                        start + 0.5 * model.vocab.lm_head.weight[i]
-            info["kept"] = len(old_rows.keys() & set(d2t.tolist()))
+            info["init_coverage"] = round(float(counts[model.vocab.d2t.numpy()].sum() / total), 4)
+            info["kept"] = model.vocab.repick(d2t, target.head_weight)
         else:
             model.vocab.set_vocab(d2t, target.head_weight)
         info["label_coverage"] = round(float(counts[d2t.numpy()].sum() / total), 4)

@@ -161,6 +161,29 @@ def test_repick_vocab_keeps_trained_rows(tiny, tmp_path):
     with pytest.raises(BlockspecError, match="--repick-vocab"):
         train(TrainConfig(**{**cfg.__dict__, "out": str(tmp_path / "c"), "repick_vocab": True}), target=target,
               progress=False)
+    # --repick-size: a larger re-pick grows the head; the rows still follow their tokens, and a resumed
+    # run loads its grown checkpoint
+    grown = TrainConfig(**{**ft.__dict__, "out": str(tmp_path / "g"), "repick_size": 16})
+    train(grown, target=target, progress=False)
+    g = load_file(str(tmp_path / "g" / "drafter.safetensors"))
+    assert g["vocab.d2t"].numel() == 16 and set(picked.tolist()) < set(g["vocab.d2t"].tolist())
+    for i, tok in enumerate(g["vocab.d2t"].tolist()):
+        want = rows[tok] if tok in rows else sd["vocab.lm_head.weight"].mean(0) + 0.5 * target.head_weight[tok]
+        torch.testing.assert_close(g["vocab.lm_head.weight"][i], want.to(torch.float32), atol=1e-6, rtol=0)
+    train(TrainConfig(**{**grown.__dict__, "steps": 2}), target=target, progress=False)
+    assert load_file(str(tmp_path / "g" / "drafter.safetensors"))["vocab.d2t"].numel() == 16
+    # averaged with its start: A's rows follow B's vocabulary, a token A lacks keeps B's row
+    from blockspec.models.checkpoint import average_drafters
+
+    g = load_file(str(tmp_path / "g" / "drafter.safetensors"))
+    avg = load_file(str(average_drafters(tmp_path / "a", tmp_path / "g", tmp_path / "ag", 0.5) / "drafter.safetensors"))
+    assert torch.equal(avg["vocab.d2t"], g["vocab.d2t"])
+    for i, tok in enumerate(g["vocab.d2t"].tolist()):
+        want = 0.5 * (rows[tok] + g["vocab.lm_head.weight"][i]) if tok in rows else g["vocab.lm_head.weight"][i]
+        torch.testing.assert_close(avg["vocab.lm_head.weight"][i], want.to(torch.float32), atol=1e-6, rtol=0)
+    with pytest.raises(BlockspecError, match="--repick-size"):
+        train(TrainConfig(**{**ft.__dict__, "out": str(tmp_path / "h"), "repick_vocab": False, "repick_size": 16}),
+              target=target, progress=False)
     for method, bad in (("specblock", -1), ("dblast", 1)):  # one line, nothing written
         with pytest.raises(BlockspecError, match=f"--block-size {bad}: expected at least"):
             train(TrainConfig(**{**cfg.__dict__, "method": method, "out": str(tmp_path / "d"), "block_size": bad}),
