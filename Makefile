@@ -629,12 +629,21 @@ train-dblast-s8: train-data-s13-long train-data-s14 $(DBLAST_S4_GGUF)
 	$(TRAIN) $(DBLAST_S8) --out $(TRAIN_DIR)/dblast-s8 >> $(TRAIN_DIR)/dblast-s8.log 2>&1
 train-dblast-s8x: train-data-s13-long train-data-s14 $(DBLAST_S4_GGUF)
 	$(TRAIN) $(DBLAST_S8) --anchor-input --out $(TRAIN_DIR)/dblast-s8x >> $(TRAIN_DIR)/dblast-s8x.log 2>&1
+# Stage 9: the control's recipe longer and wider (4x the blocks per step, stage 16's full mix), as far as
+# the session's clock allowed; resumable (--save-every 25).
+S9_DBLAST_STEPS ?= 600
+.PHONY: train-dblast-s9
+train-dblast-s9: train-data-s13-long train-data-s14 train-data-s15 $(DBLAST_S4_GGUF)
+	$(TRAIN) dblast --target $(SMOLLM2) --data $(S13L_DATA_DIR),$(S14_DATA_DIR),$(S15_DATA_DIR) --batch-size 8 \
+		--anchors-per-seq 64 --lr 6e-4 --warmup 30 --eval-batches 16 --threads $(STAGE_THREADS) --steps $(S9_DBLAST_STEPS) \
+		--eval-every 200 --save-every 25 --log-every 20 --loss al --seed 5 --init $(DBLAST_S4_GGUF) \
+		--out $(TRAIN_DIR)/dblast-s9 >> $(TRAIN_DIR)/dblast-s9.log 2>&1
 train-dblast-s8n: train-data-s13-long train-data-s14 $(DBLAST_S4_GGUF)  # the same with --loss nll
 	$(TRAIN) $(DBLAST_S8) --loss nll --out $(TRAIN_DIR)/dblast-s8n >> $(TRAIN_DIR)/dblast-s8n.log 2>&1
 
-drafters: train-specblock-s16a train-dblast-s4  # the shipped SpecBlock is stage 16a, the shipped DBlast its stage 4
+drafters: train-specblock-s16a train-dblast-s9  # the shipped SpecBlock is stage 16a, the shipped DBlast its stage 9
 	mkdir -p $(DRAFTERS_DIR)
-	for d in specblock-s16a dblast-s4; do \
+	for d in specblock-s16a dblast-s9; do \
 		$(VENV)/bin/blockspec convert drafter $(TRAIN_DIR)/$$d $(DRAFTERS_DIR)/smollm2-135m-$${d%-*}.q8_0.gguf \
 			--outtype q8_0 --target $(SMOLLM2) || exit 1; done
 
