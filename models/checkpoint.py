@@ -87,25 +87,6 @@ def load_checkpoint(path: str | os.PathLike):
     return model, meta
 
 
-def _follow_vocab(ma, mb) -> None:
-    """Give A B's draft vocabulary (B re-picked A's, `train --repick-vocab [--repick-size]`): A's head rows
-    follow their tokens; a token A never had takes B's row, so the average keeps B's row there."""
-    import torch
-
-    va, vb = ma.vocab, mb.vocab
-    if torch.equal(va.d2t, vb.d2t):
-        return
-    rows = dict(zip(va.d2t.tolist(), va.lm_head.weight.detach()))
-    head = vb.lm_head.weight.detach().clone()
-    for i, tok in enumerate(vb.d2t.tolist()):
-        if tok in rows:
-            head[i] = rows[tok]
-    va.resize(vb.draft_vocab_size)
-    va.d2t = vb.d2t.clone()
-    va.lm_head.weight.data.copy_(head)
-    ma.args.draft_vocab_size = vb.draft_vocab_size
-
-
 def average_drafters(a: str | os.PathLike, b: str | os.PathLike, out: str | os.PathLike, weight: float) -> Path:
     """Write (1 - weight) * A + weight * B as a checkpoint dir (a weight-space average of two drafters of
     one shape, e.g. a fine-tune and the drafter it started from; an A with fewer layers is first grown as
@@ -124,7 +105,10 @@ def average_drafters(a: str | os.PathLike, b: str | os.PathLike, out: str | os.P
         if ma.args.n_layer < mb.args.n_layer:
             ma.grow_layers(mb.args.n_layer)  # B grew from A (`--init A --n-layer`): A as B started from it
         if ma.vocab.lm_head is not None and mb.vocab.lm_head is not None:
-            _follow_vocab(ma, mb)
+            # B re-picked A's vocabulary (`train --repick-vocab`): A's rows follow their tokens, a token
+            # A never had takes B's row, so the average keeps B's row there
+            ma.vocab.remap(mb.vocab.d2t, mb.vocab.lm_head.weight)
+            ma.args.draft_vocab_size = mb.args.draft_vocab_size
     if dataclasses.asdict(ma.args) != dataclasses.asdict(mb.args):
         raise BlockspecError(f"{a} and {b}: drafters of different shapes cannot be averaged")
     sa, sb = ma.state_dict(), mb.state_dict()

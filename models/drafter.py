@@ -164,20 +164,24 @@ class DraftVocab(nn.Module):
         self.d2t = torch.arange(self.draft_vocab_size, dtype=torch.long, device=w.device)
 
     @torch.no_grad()
-    def repick(self, d2t: torch.Tensor, head_weight: torch.Tensor) -> int:
-        """Re-pick the draft vocabulary (any size) as `d2t`: a token already in it keeps its trained
-        head row; a new one starts at the trained rows' mean plus half the target's row (the target's
-        row alone is not in the trained head's scale: on the stage-4 SpecBlock it took the held-out
-        estimate from 0.81 to 0.34, this start leaves it at 0.81). Returns how many tokens were kept."""
-        trained = self.lm_head.weight.detach().clone()
-        old_rows = dict(zip(self.d2t.tolist(), trained))
-        start = trained.mean(0)
+    def remap(self, d2t: torch.Tensor, fill: torch.Tensor) -> int:
+        """Make `d2t` (any size) the draft vocabulary: a token already in it keeps its trained head row,
+        a new one at draft id i takes fill[i] ([len(d2t), H]). Returns how many tokens were kept."""
+        rows = dict(zip(self.d2t.tolist(), self.lm_head.weight.detach().clone()))
+        fill = fill.detach().to(self.lm_head.weight.dtype)
         if d2t.numel() != self.draft_vocab_size:
             self.resize(d2t.numel())
-        self.set_vocab(d2t, head_weight)
+        self.d2t = d2t.to(torch.long).clone()
         for i, tok in enumerate(self.d2t.tolist()):
-            self.lm_head.weight[i] = old_rows[tok] if tok in old_rows else start + 0.5 * self.lm_head.weight[i]
-        return len(old_rows.keys() & set(self.d2t.tolist()))
+            self.lm_head.weight[i] = rows[tok] if tok in rows else fill[i]
+        return len(rows.keys() & set(self.d2t.tolist()))
+
+    def repick(self, d2t: torch.Tensor, head_weight: torch.Tensor) -> int:
+        """Re-pick the draft vocabulary as `d2t` (`remap`): a new token starts at the trained rows' mean
+        plus half the target's row (the target's row alone is not in the trained head's scale: on the
+        stage-4 SpecBlock it took the held-out estimate from 0.81 to 0.34, this start leaves it at 0.81)."""
+        start = self.lm_head.weight.detach().mean(0)
+        return self.remap(d2t, start + 0.5 * head_weight[d2t.to(torch.long)].to(start.dtype))
 
     def t2d(self, tokens: torch.Tensor) -> torch.Tensor:
         """Target ids -> draft ids (-1 where the token is outside the draft vocabulary)."""

@@ -180,7 +180,7 @@ def make_model_args(c: TrainConfig, target_args) -> dict:
         vocab_size=target_args.vocab_size, draft_vocab_size=c.draft_vocab_size,
         target_layers=list(c.target_layers or d["target_layers"]), target_dim=target_args.dim,
         block_size=c.block_size or d["block_size"], n_categories=c.n_categories, qk_norm=c.qk_norm,
-        norm_eps=target_args.norm_eps, **(dict(anchor_input=True) if c.anchor_input else {}),
+        anchor_input=c.anchor_input, norm_eps=target_args.norm_eps,
     )
 
 
