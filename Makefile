@@ -640,6 +640,16 @@ train-dblast-s9: train-data-s13-long train-data-s14 train-data-s15 $(DBLAST_S4_G
 		--out $(TRAIN_DIR)/dblast-s9 >> $(TRAIN_DIR)/dblast-s9.log 2>&1
 train-dblast-s8n: train-data-s13-long train-data-s14 $(DBLAST_S4_GGUF)  # the same with --loss nll
 	$(TRAIN) $(DBLAST_S8) --loss nll --out $(TRAIN_DIR)/dblast-s8n >> $(TRAIN_DIR)/dblast-s8n.log 2>&1
+# Stage 10 (twenty-fifth session): stage 9 was still rising at its last step (held-out 0.318 / 0.356 /
+# 0.384 at 200 / 400 / 600), so stage 10 continues it on the same mix with a fresh, lower schedule and new
+# batch seed; resumable (--save-every 25).
+S10_DBLAST_STEPS ?= 1000
+.PHONY: train-dblast-s10
+train-dblast-s10: train-dblast-s9
+	$(TRAIN) dblast --target $(SMOLLM2) --data $(S13L_DATA_DIR),$(S14_DATA_DIR),$(S15_DATA_DIR) --batch-size 8 \
+		--anchors-per-seq 64 --lr 4e-4 --warmup 20 --eval-batches 16 --threads $(STAGE_THREADS) --steps $(S10_DBLAST_STEPS) \
+		--eval-every 200 --save-every 25 --log-every 20 --loss al --seed 6 --init $(TRAIN_DIR)/dblast-s9 \
+		--out $(TRAIN_DIR)/dblast-s10 >> $(TRAIN_DIR)/dblast-s10.log 2>&1
 
 drafters: train-specblock-s16a train-dblast-s9  # the shipped SpecBlock is stage 16a, the shipped DBlast its stage 9
 	mkdir -p $(DRAFTERS_DIR)

@@ -127,6 +127,9 @@ def acceptance_surrogate(draft_logp: torch.Tensor, target_logp: torch.Tensor, va
     if prior_logits is not None:
         per_z = per_z + F.log_softmax(prior_logits.float(), dim=-1)
     logE = torch.logsumexp(per_z, dim=-1)  # [...]
+    # a row whose first label is undraftable sits at the -1e4 floor with no gradient: it adds 0, not
+    # 1e4, so the logged loss stays readable (the divisor, hence every gradient, is unchanged)
+    logE = logE.masked_fill(logE < -1e3, 0.0)
     has = valid.any(-1)
     return -(logE[has]).mean() if has.any() else logE.sum() * 0.0
 

@@ -134,6 +134,12 @@ def test_acceptance_surrogate_truncation_and_mixture():
     v2 = torch.tensor([[True, True, False, False]])
     got = losses.acceptance_surrogate(lq, lp, v2, tau=0.0)
     assert abs(got.item() + math.log(a[0] + a[0] * a[1])) < 1e-5
+    # a row whose first label is undraftable (log q = -inf) adds 0 to the mean and no gradient
+    lq2 = torch.stack([lq[0], lq[0].clone().index_fill_(0, torch.tensor([0]), -math.inf)]).requires_grad_()
+    got = losses.acceptance_surrogate(lq2, lp.expand(2, 4), valid.expand(2, 4), tau=1e-3)
+    assert abs(got.item() + math.log(a[0] + a[0] * a[1]) / 2) < 1e-5
+    got.backward()
+    assert torch.isfinite(lq2.grad).all() and (lq2.grad[1] == 0).all()
 
 
 def test_mixture_nll_brute_force():
