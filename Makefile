@@ -650,10 +650,21 @@ train-dblast-s10: train-dblast-s9
 		--anchors-per-seq 64 --lr 4e-4 --warmup 20 --eval-batches 16 --threads $(STAGE_THREADS) --steps $(S10_DBLAST_STEPS) \
 		--eval-every 200 --save-every 25 --log-every 20 --loss al --seed 6 --init $(TRAIN_DIR)/dblast-s9 \
 		--out $(TRAIN_DIR)/dblast-s10 >> $(TRAIN_DIR)/dblast-s10.log 2>&1
+# DBlast at block 16 (twenty-fifth session): what a GPU user runs and what DFlash trains. Stage 10 grown
+# to 16 drafted tokens (`--block-size 17`: the block is [last, MASK x 16]; the shared weights carry over,
+# the rows see a longer bidirectional block) and trained on the same mix with 16 blocks per sequence
+# (272 rows per sequence against stage 10's 320). `train eval` reports tau at blocks 4, 8 and 16.
+K16_DBLAST_STEPS ?= 300
+.PHONY: train-dblast-k16
+train-dblast-k16: train-dblast-s10
+	$(TRAIN) dblast --target $(SMOLLM2) --data $(S13L_DATA_DIR),$(S14_DATA_DIR),$(S15_DATA_DIR) --batch-size 8 \
+		--anchors-per-seq 16 --lr 4e-4 --warmup 20 --eval-batches 16 --threads $(STAGE_THREADS) --steps $(K16_DBLAST_STEPS) \
+		--eval-every 200 --save-every 25 --log-every 20 --loss al --seed 7 --init $(TRAIN_DIR)/dblast-s10 --block-size 17 \
+		--out $(TRAIN_DIR)/dblast-k16 >> $(TRAIN_DIR)/dblast-k16.log 2>&1
 
-drafters: train-specblock-s16a train-dblast-s9  # the shipped SpecBlock is stage 16a, the shipped DBlast its stage 9
+drafters: train-specblock-s16a train-dblast-s10  # the shipped SpecBlock is stage 16a, the shipped DBlast its stage 10
 	mkdir -p $(DRAFTERS_DIR)
-	for d in specblock-s16a dblast-s9; do \
+	for d in specblock-s16a dblast-s10; do \
 		$(VENV)/bin/blockspec convert drafter $(TRAIN_DIR)/$$d $(DRAFTERS_DIR)/smollm2-135m-$${d%-*}.q8_0.gguf \
 			--outtype q8_0 --target $(SMOLLM2) || exit 1; done
 
