@@ -632,12 +632,12 @@ train-dblast-s8x: train-data-s13-long train-data-s14 $(DBLAST_S4_GGUF)
 # Stage 9: the control's recipe longer and wider (4x the blocks per step, stage 16's full mix), as far as
 # the session's clock allowed; resumable (--save-every 25).
 S9_DBLAST_STEPS ?= 600
+DBLAST_MIX = dblast --target $(SMOLLM2) --data $(S13L_DATA_DIR),$(S14_DATA_DIR),$(S15_DATA_DIR) --batch-size 8 \
+	--eval-batches 16 --threads $(STAGE_THREADS) --eval-every 200 --save-every 25 --log-every 20 --loss al
 .PHONY: train-dblast-s9
 train-dblast-s9: train-data-s13-long train-data-s14 train-data-s15 $(DBLAST_S4_GGUF)
-	$(TRAIN) dblast --target $(SMOLLM2) --data $(S13L_DATA_DIR),$(S14_DATA_DIR),$(S15_DATA_DIR) --batch-size 8 \
-		--anchors-per-seq 64 --lr 6e-4 --warmup 30 --eval-batches 16 --threads $(STAGE_THREADS) --steps $(S9_DBLAST_STEPS) \
-		--eval-every 200 --save-every 25 --log-every 20 --loss al --seed 5 --init $(DBLAST_S4_GGUF) \
-		--out $(TRAIN_DIR)/dblast-s9 >> $(TRAIN_DIR)/dblast-s9.log 2>&1
+	$(TRAIN) $(DBLAST_MIX) --anchors-per-seq 64 --lr 6e-4 --warmup 30 --steps $(S9_DBLAST_STEPS) --seed 5 \
+		--init $(DBLAST_S4_GGUF) --out $(TRAIN_DIR)/dblast-s9 >> $(TRAIN_DIR)/dblast-s9.log 2>&1
 train-dblast-s8n: train-data-s13-long train-data-s14 $(DBLAST_S4_GGUF)  # the same with --loss nll
 	$(TRAIN) $(DBLAST_S8) --loss nll --out $(TRAIN_DIR)/dblast-s8n >> $(TRAIN_DIR)/dblast-s8n.log 2>&1
 # Stage 10 (twenty-fifth session): stage 9 was still rising at its last step (held-out 0.318 / 0.356 /
@@ -647,10 +647,8 @@ train-dblast-s8n: train-data-s13-long train-data-s14 $(DBLAST_S4_GGUF)  # the sa
 S10_DBLAST_STEPS ?= 1000
 .PHONY: train-dblast-s10
 train-dblast-s10: train-dblast-s9
-	$(TRAIN) dblast --target $(SMOLLM2) --data $(S13L_DATA_DIR),$(S14_DATA_DIR),$(S15_DATA_DIR) --batch-size 8 \
-		--anchors-per-seq 64 --lr 4e-4 --warmup 20 --eval-batches 16 --threads $(STAGE_THREADS) --steps $(S10_DBLAST_STEPS) \
-		--eval-every 200 --save-every 25 --log-every 20 --loss al --seed 6 --init $(TRAIN_DIR)/dblast-s9 \
-		--out $(TRAIN_DIR)/dblast-s10 >> $(TRAIN_DIR)/dblast-s10.log 2>&1
+	$(TRAIN) $(DBLAST_MIX) --anchors-per-seq 64 --lr 4e-4 --warmup 20 --steps $(S10_DBLAST_STEPS) --seed 6 \
+		--init $(TRAIN_DIR)/dblast-s9 --out $(TRAIN_DIR)/dblast-s10 >> $(TRAIN_DIR)/dblast-s10.log 2>&1
 # DBlast at block 16 (twenty-fifth session): what a GPU user runs and what DFlash trains. Stage 10 grown
 # to 16 drafted tokens (`--block-size 17`: the block is [last, MASK x 16]; the shared weights carry over,
 # the rows see a longer bidirectional block) and trained on the same mix with 16 blocks per sequence
@@ -660,10 +658,8 @@ train-dblast-s10: train-dblast-s9
 K16_DBLAST_STEPS ?= 300
 .PHONY: train-dblast-k16
 train-dblast-k16: train-dblast-s10
-	$(TRAIN) dblast --target $(SMOLLM2) --data $(S13L_DATA_DIR),$(S14_DATA_DIR),$(S15_DATA_DIR) --batch-size 8 \
-		--anchors-per-seq 16 --lr 4e-4 --warmup 20 --eval-batches 16 --threads $(STAGE_THREADS) --steps $(K16_DBLAST_STEPS) \
-		--eval-every 200 --save-every 25 --log-every 20 --loss al --seed 7 --init $(TRAIN_DIR)/dblast-s10 --block-size 17 \
-		--out $(TRAIN_DIR)/dblast-k16 >> $(TRAIN_DIR)/dblast-k16.log 2>&1
+	$(TRAIN) $(DBLAST_MIX) --anchors-per-seq 16 --lr 4e-4 --warmup 20 --steps $(K16_DBLAST_STEPS) --seed 7 \
+		--init $(TRAIN_DIR)/dblast-s10 --block-size 17 --out $(TRAIN_DIR)/dblast-k16 >> $(TRAIN_DIR)/dblast-k16.log 2>&1
 
 drafters: train-specblock-s16a train-dblast-s10  # the shipped SpecBlock is stage 16a, the shipped DBlast its stage 10
 	mkdir -p $(DRAFTERS_DIR)

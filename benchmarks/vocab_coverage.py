@@ -22,6 +22,8 @@ def answer_counts(dirs: list[str], vocab_size: int) -> np.ndarray:
     """Greedy-token counts over the answer positions of self-distilled caches (RaggedFeatures.label_counts)."""
     from safetensors import safe_open
 
+    from blockspec.models.data import answer_positions
+
     counts = np.zeros(vocab_size, np.int64)
     for d in dirs:
         shards = sorted(Path(d).glob("shard_*.safetensors"))
@@ -30,11 +32,7 @@ def answer_counts(dirs: list[str], vocab_size: int) -> np.ndarray:
         for p in shards:
             with safe_open(str(p), "numpy") as f:
                 g, lengths, start = f.get_tensor("greedy"), f.get_tensor("lengths"), f.get_tensor("answer_start")
-            offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-            seq = np.repeat(np.arange(len(lengths)), lengths)
-            rel = np.arange(len(g)) - offsets[seq]
-            ans = (rel >= start[seq] - 1) & (rel < lengths[seq] - 1)
-            counts += np.bincount(g[ans], minlength=vocab_size)
+            counts += np.bincount(g[answer_positions(lengths, start)], minlength=vocab_size)
     return counts
 
 

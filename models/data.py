@@ -555,11 +555,17 @@ class RaggedFeatures:
 
     def label_counts(self, vocab_size: int) -> np.ndarray:
         """Token frequencies for the draft vocabulary: the target's greedy tokens in its answers."""
-        pos = np.arange(len(self.flat["tokens"]))
-        seq = np.repeat(np.arange(len(self.lengths)), self.lengths)
-        rel = pos - self.offsets[seq]
-        ans = (rel >= self.answer_start[seq] - 1) & (rel < self.lengths[seq] - 1)  # the last token: no logits
+        ans = answer_positions(self.lengths, self.answer_start)
         return np.bincount(self.flat["greedy"][ans], minlength=vocab_size)
+
+
+def answer_positions(lengths: np.ndarray, answer_start: np.ndarray) -> np.ndarray:
+    """Bool mask over sequences packed end to end: the positions whose greedy token is an answer token
+    (from the one before the answer starts to the one before the last: the last token has no logits)."""
+    lengths = np.asarray(lengths, np.int64)
+    seq = np.repeat(np.arange(len(lengths)), lengths)
+    rel = np.arange(int(lengths.sum())) - (np.cumsum(lengths) - lengths)[seq]
+    return (rel >= np.asarray(answer_start, np.int64)[seq] - 1) & (rel < lengths[seq] - 1)
 
 
 def open_feature_cache(cache_dir: str | os.PathLike, layers: Sequence[int] | None = None):
