@@ -670,6 +670,39 @@ train-dblast-k16: train-dblast-s10
 	$(TRAIN) $(DBLAST_MIX) --anchors-per-seq 16 --lr 4e-4 --warmup 20 --steps $(K16_DBLAST_STEPS) --seed 7 \
 		--init $(TRAIN_DIR)/dblast-s10 --block-size 17 --out $(TRAIN_DIR)/dblast-k16 >> $(TRAIN_DIR)/dblast-k16.log 2>&1
 
+# Stage 16 data (twenty-seventh session, a fresh machine: stages 13-15's caches are gone). Fresh
+# ShareGPT prompts (records from 11,000 on: stages 13, 13-long and 15 read records up to ~3,800 /
+# ~2,500 / ~9,600 by a length estimate) up to 512 tokens, half of them, and every stdlib code prompt
+# (`pycode`, `pycode-more`) answered again under a new seed, the other half; half the answers greedy
+# (the held-out tenth is read from those), half sampled. Two one-thread workers, resumable.
+S16_DATA_DIR = $(TRAIN_DIR)/data-smollm2-s16
+S16_PROMPTS ?= 5000
+.PHONY: train-data-s16
+train-data-s16: setup
+	mkdir -p $(TRAIN_DIR)
+	$(call data_workers,$(SMOLLM2),$(S16_DATA_DIR),sharegpt:11000$(,)pycode$(,)sharegpt:14500$(,)pycode-more,$(S16_PROMPTS),64,data-s16,--max-prompt 512 --sample-frac 0.5 --seed 2)
+
+# Stage 19 / DBlast stage 12 (twenty-seventh session): the shipped drafters (SpecBlock 16a, 8dce7f7;
+# DBlast 11, 6ecd22b; from git history) fine-tuned on stage 16's fresh answers alone, a fresh cosine
+# schedule and batch seed, one thread each side by side; then each averaged with its start (w 0.5),
+# as stages 13a-16a were.
+S19_SPECBLOCK_STEPS ?= 1000
+S12_DBLAST_STEPS ?= 400
+DBLAST_S11_GGUF = $(TRAIN_DIR)/dblast-s11-6ecd22b.q8_0.gguf
+.PHONY: train-specblock-s19 train-specblock-s19a train-dblast-s12 train-dblast-s12a
+$(DBLAST_S11_GGUF):
+	$(call git_gguf,6ecd22b,dblast)
+train-specblock-s19: train-data-s16 $(S16A_GGUF)
+	$(call specblock_stage,$(S19_SPECBLOCK_STEPS),13,$(S16A_GGUF),specblock-s19,$(S16_DATA_DIR))
+train-specblock-s19a: train-specblock-s19 $(S16A_GGUF)
+	$(TRAIN) average --a $(S16A_GGUF) --b $(TRAIN_DIR)/specblock-s19 --out $(TRAIN_DIR)/specblock-s19a --weight 0.5
+train-dblast-s12: train-data-s16 $(DBLAST_S11_GGUF)
+	$(TRAIN) dblast --target $(SMOLLM2) --data $(S16_DATA_DIR) --batch-size 8 --eval-batches 16 --threads $(STAGE_THREADS) \
+		--eval-every 100 --save-every 25 --log-every 20 --loss al --anchors-per-seq 64 --lr 3e-4 --warmup 20 \
+		--steps $(S12_DBLAST_STEPS) --seed 9 --init $(DBLAST_S11_GGUF) --out $(TRAIN_DIR)/dblast-s12 >> $(TRAIN_DIR)/dblast-s12.log 2>&1
+train-dblast-s12a: train-dblast-s12 $(DBLAST_S11_GGUF)
+	$(TRAIN) average --a $(DBLAST_S11_GGUF) --b $(TRAIN_DIR)/dblast-s12 --out $(TRAIN_DIR)/dblast-s12a --weight 0.5
+
 drafters: train-specblock-s16a train-dblast-s11  # the shipped SpecBlock is stage 16a, the shipped DBlast its stage 11
 	mkdir -p $(DRAFTERS_DIR)
 	for d in specblock-s16a dblast-s11; do \
