@@ -675,6 +675,10 @@ train-dblast-k16: train-dblast-s10
 # ~2,500 / ~9,600 by a length estimate) up to 512 tokens, half of them, and every stdlib code prompt
 # (`pycode`, `pycode-more`) answered again under a new seed, the other half; half the answers greedy
 # (the held-out tenth is read from those), half sampled. Two one-thread workers, resumable.
+# As run: stopped (Ctrl-C) after 48 min at 2,628 prompts (414 over 512 tokens skipped, none an
+# evaluation prompt), 477,534 answer tokens (800,107 with features), 4.4 GB, 82-87 answer tok/s per
+# worker (the evaluation set was answered beside them for the first 15 min). `make drafters
+# S16_PROMPTS=2628` replays the run as stopped (but for the up to 64 prompts each worker had in flight).
 S16_DATA_DIR = $(TRAIN_DIR)/data-smollm2-s16
 S16_PROMPTS ?= 5000
 .PHONY: train-data-s16
@@ -686,6 +690,14 @@ train-data-s16: setup
 # DBlast 11, 6ecd22b; from git history) fine-tuned on stage 16's fresh answers alone, a fresh cosine
 # schedule and batch seed, one thread each side by side; then each averaged with its start (w 0.5),
 # as stages 13a-16a were.
+# As run, side by side: SpecBlock 1,000 steps in 35 min, held-out (stage 16's greedy tenth) 1.234 /
+# 1.329 / 1.336 at 400 / 800 / 1,000; DBlast 400 steps in 42 min, held-out 0.538 / 0.565 / 0.579 / 0.597
+# at 100-400. Evaluation set tau: SpecBlock 2.080 (16a) -> 2.083 (19) -> 2.117 (19a; MT-Bench 1.941,
+# HumanEval 2.173, first token 0.579); DBlast 1.478 (11) -> 1.489 (12) -> 1.498 (12a; MT-Bench 1.420,
+# HumanEval 1.552, first token 0.385).
+# Bench on 40 prompts T = 0 (smollm2-s19-bench40): SpecBlock 16a 1.957 / 19a 1.950 (passes accepting
+# 52.8% / 53.6%, 0.82x / 0.81x): not confirmed, 16a stays; DBlast 11 1.446 / 12a 1.471 (34.8% / 36.3%,
+# 0.58x / 0.59x): 12a shipped.
 S19_SPECBLOCK_STEPS ?= 1000
 S12_DBLAST_STEPS ?= 400
 DBLAST_S11_GGUF = $(TRAIN_DIR)/dblast-s11-6ecd22b.q8_0.gguf
@@ -703,9 +715,9 @@ train-dblast-s12: train-data-s16 $(DBLAST_S11_GGUF)
 train-dblast-s12a: train-dblast-s12 $(DBLAST_S11_GGUF)
 	$(TRAIN) average --a $(DBLAST_S11_GGUF) --b $(TRAIN_DIR)/dblast-s12 --out $(TRAIN_DIR)/dblast-s12a --weight 0.5
 
-drafters: train-specblock-s16a train-dblast-s11  # the shipped SpecBlock is stage 16a, the shipped DBlast its stage 11
+drafters: train-specblock-s16a train-dblast-s12a  # the shipped SpecBlock is stage 16a, the shipped DBlast its stage 12a
 	mkdir -p $(DRAFTERS_DIR)
-	for d in specblock-s16a dblast-s11; do \
+	for d in specblock-s16a dblast-s12a; do \
 		$(VENV)/bin/blockspec convert drafter $(TRAIN_DIR)/$$d $(DRAFTERS_DIR)/smollm2-135m-$${d%-*}.q8_0.gguf \
 			--outtype q8_0 --target $(SMOLLM2) || exit 1; done
 
