@@ -632,8 +632,10 @@ train-dblast-s8x: train-data-s13-long train-data-s14 $(DBLAST_S4_GGUF)
 # Stage 9: the control's recipe longer and wider (4x the blocks per step, stage 16's full mix), as far as
 # the session's clock allowed; resumable (--save-every 25).
 S9_DBLAST_STEPS ?= 600
-DBLAST_MIX = dblast --target $(SMOLLM2) --data $(S13L_DATA_DIR),$(S14_DATA_DIR),$(S15_DATA_DIR) --batch-size 8 \
-	--eval-batches 16 --threads $(STAGE_THREADS) --eval-every 200 --save-every 25 --log-every 20 --loss al
+# DBLAST_STAGE: what every DBlast stage from 9 on shares (STAGE_THREADS threads, resumable, AL loss)
+DBLAST_STAGE = dblast --target $(SMOLLM2) --batch-size 8 --eval-batches 16 --threads $(STAGE_THREADS) --save-every 25 \
+	--log-every 20 --loss al
+DBLAST_MIX = $(DBLAST_STAGE) --data $(S13L_DATA_DIR),$(S14_DATA_DIR),$(S15_DATA_DIR) --eval-every 200
 .PHONY: train-dblast-s9
 train-dblast-s9: train-data-s13-long train-data-s14 train-data-s15 $(DBLAST_S4_GGUF)
 	$(TRAIN) $(DBLAST_MIX) --anchors-per-seq 64 --lr 6e-4 --warmup 30 --steps $(S9_DBLAST_STEPS) --seed 5 \
@@ -709,8 +711,7 @@ train-specblock-s19: train-data-s16 $(S16A_GGUF)
 train-specblock-s19a: train-specblock-s19 $(S16A_GGUF)
 	$(TRAIN) average --a $(S16A_GGUF) --b $(TRAIN_DIR)/specblock-s19 --out $(TRAIN_DIR)/specblock-s19a --weight 0.5
 train-dblast-s12: train-data-s16 $(DBLAST_S11_GGUF)
-	$(TRAIN) dblast --target $(SMOLLM2) --data $(S16_DATA_DIR) --batch-size 8 --eval-batches 16 --threads $(STAGE_THREADS) \
-		--eval-every 100 --save-every 25 --log-every 20 --loss al --anchors-per-seq 64 --lr 3e-4 --warmup 20 \
+	$(TRAIN) $(DBLAST_STAGE) --data $(S16_DATA_DIR) --eval-every 100 --anchors-per-seq 64 --lr 3e-4 --warmup 20 \
 		--steps $(S12_DBLAST_STEPS) --seed 9 --init $(DBLAST_S11_GGUF) --out $(TRAIN_DIR)/dblast-s12 >> $(TRAIN_DIR)/dblast-s12.log 2>&1
 train-dblast-s12a: train-dblast-s12 $(DBLAST_S11_GGUF)
 	$(TRAIN) average --a $(DBLAST_S11_GGUF) --b $(TRAIN_DIR)/dblast-s12 --out $(TRAIN_DIR)/dblast-s12a --weight 0.5
