@@ -716,6 +716,19 @@ train-dblast-s12: train-data-s16 $(DBLAST_S11_GGUF)
 train-dblast-s12a: train-dblast-s12 $(DBLAST_S11_GGUF)
 	$(TRAIN) average --a $(DBLAST_S11_GGUF) --b $(TRAIN_DIR)/dblast-s12 --out $(TRAIN_DIR)/dblast-s12a --weight 0.5
 
+# Stage 13 (twenty-eighth session): the shipped DBlast 12a fine-tuned longer on the same stage-16 answers (stage 12's
+# held-out estimate was still rising at its last step), two threads, then averaged with 12a.
+S13_DBLAST_STEPS ?= 1000
+DBLAST_S12A_GGUF = $(TRAIN_DIR)/dblast-s12a-9de76d6.q8_0.gguf
+.PHONY: train-dblast-s13 train-dblast-s13a
+$(DBLAST_S12A_GGUF):
+	$(call git_gguf,9de76d6,dblast)
+train-dblast-s13: train-data-s16 $(DBLAST_S12A_GGUF)
+	$(TRAIN) $(DBLAST_STAGE) --data $(S16_DATA_DIR) --eval-every 200 --anchors-per-seq 64 --lr 3e-4 --warmup 20 \
+		--steps $(S13_DBLAST_STEPS) --seed 10 --init $(DBLAST_S12A_GGUF) --out $(TRAIN_DIR)/dblast-s13 >> $(TRAIN_DIR)/dblast-s13.log 2>&1
+train-dblast-s13a: train-dblast-s13 $(DBLAST_S12A_GGUF)
+	$(TRAIN) average --a $(DBLAST_S12A_GGUF) --b $(TRAIN_DIR)/dblast-s13 --out $(TRAIN_DIR)/dblast-s13a --weight 0.5
+
 drafters: train-specblock-s16a train-dblast-s12a  # the shipped SpecBlock is stage 16a, the shipped DBlast its stage 12a
 	mkdir -p $(DRAFTERS_DIR)
 	for d in specblock-s16a dblast-s12a; do \
