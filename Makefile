@@ -729,9 +729,9 @@ train-dblast-s13: train-data-s16 $(DBLAST_S12A_GGUF)
 train-dblast-s13a: train-dblast-s13 $(DBLAST_S12A_GGUF)
 	$(TRAIN) average --a $(DBLAST_S12A_GGUF) --b $(TRAIN_DIR)/dblast-s13 --out $(TRAIN_DIR)/dblast-s13a --weight 0.5
 
-drafters: train-specblock-s16a train-dblast-s12a  # the shipped SpecBlock is stage 16a, the shipped DBlast its stage 12a
+drafters: train-specblock-s16a train-dblast-s13a  # the shipped SpecBlock is stage 16a, the shipped DBlast its stage 13a
 	mkdir -p $(DRAFTERS_DIR)
-	for d in specblock-s16a dblast-s12a; do \
+	for d in specblock-s16a dblast-s13a; do \
 		$(VENV)/bin/blockspec convert drafter $(TRAIN_DIR)/$$d $(DRAFTERS_DIR)/smollm2-135m-$${d%-*}.q8_0.gguf \
 			--outtype q8_0 --target $(SMOLLM2) || exit 1; done
 
