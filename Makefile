@@ -729,6 +729,18 @@ train-dblast-s13: train-data-s16 $(DBLAST_S12A_GGUF)
 train-dblast-s13a: train-dblast-s13 $(DBLAST_S12A_GGUF)
 	$(TRAIN) average --a $(DBLAST_S12A_GGUF) --b $(TRAIN_DIR)/dblast-s13 --out $(TRAIN_DIR)/dblast-s13a --weight 0.5
 
+# Stage 14: the same once more from the shipped 13a, 600 steps (stage 13's held-out was still rising at its end).
+S14_DBLAST_STEPS ?= 600
+DBLAST_S13A_GGUF = $(TRAIN_DIR)/dblast-s13a-9bb7391.q8_0.gguf
+.PHONY: train-dblast-s14 train-dblast-s14a
+$(DBLAST_S13A_GGUF):
+	$(call git_gguf,9bb7391,dblast)
+train-dblast-s14: train-data-s16 $(DBLAST_S13A_GGUF)
+	$(TRAIN) $(DBLAST_STAGE) --data $(S16_DATA_DIR) --eval-every 200 --anchors-per-seq 64 --lr 3e-4 --warmup 20 \
+		--steps $(S14_DBLAST_STEPS) --seed 11 --init $(DBLAST_S13A_GGUF) --out $(TRAIN_DIR)/dblast-s14 >> $(TRAIN_DIR)/dblast-s14.log 2>&1
+train-dblast-s14a: train-dblast-s14 $(DBLAST_S13A_GGUF)
+	$(TRAIN) average --a $(DBLAST_S13A_GGUF) --b $(TRAIN_DIR)/dblast-s14 --out $(TRAIN_DIR)/dblast-s14a --weight 0.5
+
 drafters: train-specblock-s16a train-dblast-s13a  # the shipped SpecBlock is stage 16a, the shipped DBlast its stage 13a
 	mkdir -p $(DRAFTERS_DIR)
 	for d in specblock-s16a dblast-s13a; do \
