@@ -710,9 +710,14 @@ train-specblock-s19: train-data-s16 $(S16A_GGUF)
 	$(call specblock_stage,$(S19_SPECBLOCK_STEPS),13,$(S16A_GGUF),specblock-s19,$(S16_DATA_DIR))
 train-specblock-s19a: train-specblock-s19 $(S16A_GGUF)
 	$(TRAIN) average --a $(S16A_GGUF) --b $(TRAIN_DIR)/specblock-s19 --out $(TRAIN_DIR)/specblock-s19a --weight 0.5
+# stages 12-14: a shipped DBlast fine-tuned on stage 16's answers alone. $(1) steps, $(2) batch seed, $(3) init GGUF,
+# $(4) output name, $(5) eval interval
+define dblast_s16_stage
+$(TRAIN) $(DBLAST_STAGE) --data $(S16_DATA_DIR) --eval-every $(5) --anchors-per-seq 64 --lr 3e-4 --warmup 20 \
+	--steps $(1) --seed $(2) --init $(3) --out $(TRAIN_DIR)/$(4) >> $(TRAIN_DIR)/$(4).log 2>&1
+endef
 train-dblast-s12: train-data-s16 $(DBLAST_S11_GGUF)
-	$(TRAIN) $(DBLAST_STAGE) --data $(S16_DATA_DIR) --eval-every 100 --anchors-per-seq 64 --lr 3e-4 --warmup 20 \
-		--steps $(S12_DBLAST_STEPS) --seed 9 --init $(DBLAST_S11_GGUF) --out $(TRAIN_DIR)/dblast-s12 >> $(TRAIN_DIR)/dblast-s12.log 2>&1
+	$(call dblast_s16_stage,$(S12_DBLAST_STEPS),9,$(DBLAST_S11_GGUF),dblast-s12,100)
 train-dblast-s12a: train-dblast-s12 $(DBLAST_S11_GGUF)
 	$(TRAIN) average --a $(DBLAST_S11_GGUF) --b $(TRAIN_DIR)/dblast-s12 --out $(TRAIN_DIR)/dblast-s12a --weight 0.5
 
@@ -725,8 +730,7 @@ DBLAST_S12A_GGUF = $(TRAIN_DIR)/dblast-s12a-9de76d6.q8_0.gguf
 $(DBLAST_S12A_GGUF):
 	$(call git_gguf,9de76d6,dblast)
 train-dblast-s13: train-data-s16 $(DBLAST_S12A_GGUF)
-	$(TRAIN) $(DBLAST_STAGE) --data $(S16_DATA_DIR) --eval-every 200 --anchors-per-seq 64 --lr 3e-4 --warmup 20 \
-		--steps $(S13_DBLAST_STEPS) --seed 10 --init $(DBLAST_S12A_GGUF) --out $(TRAIN_DIR)/dblast-s13 >> $(TRAIN_DIR)/dblast-s13.log 2>&1
+	$(call dblast_s16_stage,$(S13_DBLAST_STEPS),10,$(DBLAST_S12A_GGUF),dblast-s13,200)
 train-dblast-s13a: train-dblast-s13 $(DBLAST_S12A_GGUF)
 	$(TRAIN) average --a $(DBLAST_S12A_GGUF) --b $(TRAIN_DIR)/dblast-s13 --out $(TRAIN_DIR)/dblast-s13a --weight 0.5
 
@@ -738,8 +742,7 @@ DBLAST_S13A_GGUF = $(TRAIN_DIR)/dblast-s13a-9bb7391.q8_0.gguf
 $(DBLAST_S13A_GGUF):
 	$(call git_gguf,9bb7391,dblast)
 train-dblast-s14: train-data-s16 $(DBLAST_S13A_GGUF)
-	$(TRAIN) $(DBLAST_STAGE) --data $(S16_DATA_DIR) --eval-every 200 --anchors-per-seq 64 --lr 3e-4 --warmup 20 \
-		--steps $(S14_DBLAST_STEPS) --seed 11 --init $(DBLAST_S13A_GGUF) --out $(TRAIN_DIR)/dblast-s14 >> $(TRAIN_DIR)/dblast-s14.log 2>&1
+	$(call dblast_s16_stage,$(S14_DBLAST_STEPS),11,$(DBLAST_S13A_GGUF),dblast-s14,200)
 train-dblast-s14a: train-dblast-s14 $(DBLAST_S13A_GGUF)
 	$(TRAIN) average --a $(DBLAST_S13A_GGUF) --b $(TRAIN_DIR)/dblast-s14 --out $(TRAIN_DIR)/dblast-s14a --weight 0.5
 
