@@ -746,6 +746,21 @@ train-dblast-s14: train-data-s16 $(DBLAST_S13A_GGUF)
 train-dblast-s14a: train-dblast-s14 $(DBLAST_S13A_GGUF)
 	$(TRAIN) average --a $(DBLAST_S13A_GGUF) --b $(TRAIN_DIR)/dblast-s14 --out $(TRAIN_DIR)/dblast-s14a --weight 0.5
 
+# Stage 20 / DBlast stage 15 (twenty-ninth session): the stage-16 data run resumed to its 5,000 prompts (nearly
+# twice the answers stages 19 and DBlast 12-14 saw), then the shipped drafters (SpecBlock 16a, DBlast 13a) fine-tuned on
+# all of it side by side, one thread each, and each averaged with its start (w 0.5).
+S20_SPECBLOCK_STEPS ?= 1400
+S15_DBLAST_STEPS ?= 500
+.PHONY: train-specblock-s20 train-specblock-s20a train-dblast-s15 train-dblast-s15a
+train-specblock-s20: train-data-s16 $(S16A_GGUF)
+	$(call specblock_stage,$(S20_SPECBLOCK_STEPS),14,$(S16A_GGUF),specblock-s20,$(S16_DATA_DIR))
+train-specblock-s20a: train-specblock-s20 $(S16A_GGUF)
+	$(TRAIN) average --a $(S16A_GGUF) --b $(TRAIN_DIR)/specblock-s20 --out $(TRAIN_DIR)/specblock-s20a --weight 0.5
+train-dblast-s15: train-data-s16 $(DBLAST_S13A_GGUF)
+	$(call dblast_s16_stage,$(S15_DBLAST_STEPS),12,$(DBLAST_S13A_GGUF),dblast-s15,100)
+train-dblast-s15a: train-dblast-s15 $(DBLAST_S13A_GGUF)
+	$(TRAIN) average --a $(DBLAST_S13A_GGUF) --b $(TRAIN_DIR)/dblast-s15 --out $(TRAIN_DIR)/dblast-s15a --weight 0.5
+
 drafters: train-specblock-s16a train-dblast-s13a  # the shipped SpecBlock is stage 16a, the shipped DBlast its stage 13a
 	mkdir -p $(DRAFTERS_DIR)
 	for d in specblock-s16a dblast-s13a; do \
