@@ -688,6 +688,18 @@ train-data-s16: setup
 	mkdir -p $(TRAIN_DIR)
 	$(call data_workers,$(SMOLLM2),$(S16_DATA_DIR),sharegpt:11000$(,)pycode$(,)sharegpt:14500$(,)pycode-more,$(S16_PROMPTS),64,data-s16,--max-prompt 512 --sample-frac 0.5 --seed 2)
 
+# Stage 17 data (started at the end of the twenty-ninth session, for the next rounds: doubling the fresh answers gave
+# stage 20a +0.061, the most of any recent round). The ShareGPT package holds 17,523 conversations; the ranges no cache
+# on this machine has answered (stage 15 read up to ~9,600, stage 16 from 11,000 and 14,500, ~1,600 records each), and
+# every stdlib code prompt (1,586 `pycode`, 1,087 `pycode-more`) answered once more under a new seed; half the answers
+# greedy, half sampled; two one-thread workers, resumable (`make -o setup train-data-s17`).
+S17_DATA_DIR = $(TRAIN_DIR)/data-smollm2-s17
+S17_PROMPTS ?= 5000
+.PHONY: train-data-s17
+train-data-s17: setup
+	mkdir -p $(TRAIN_DIR)
+	$(call data_workers,$(SMOLLM2),$(S17_DATA_DIR),sharegpt:9600$(,)pycode$(,)sharegpt:12700$(,)pycode-more$(,)sharegpt:16200,$(S17_PROMPTS),64,data-s17,--max-prompt 512 --sample-frac 0.5 --seed 3)
+
 # Stage 19 / DBlast stage 12 (twenty-seventh session): the shipped drafters (SpecBlock 16a, 8dce7f7;
 # DBlast 11, 6ecd22b; from git history) fine-tuned on stage 16's fresh answers alone, a fresh cosine
 # schedule and batch seed, one thread each side by side; then each averaged with its start (w 0.5),
