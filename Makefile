@@ -776,6 +776,9 @@ train-specblock-s20: train-data-s16 $(S16A_GGUF)
 	$(call specblock_stage,$(S20_SPECBLOCK_STEPS),14,$(S16A_GGUF),specblock-s20,$(S16_DATA_DIR))
 train-specblock-s20a: train-specblock-s20 $(S16A_GGUF)
 	$(TRAIN) average --a $(S16A_GGUF) --b $(TRAIN_DIR)/specblock-s20 --out $(TRAIN_DIR)/specblock-s20a --weight 0.5
+S20A_GGUF = $(TRAIN_DIR)/specblock-s20a-bf3957d.q8_0.gguf  # the shipped SpecBlock, from git: the start of the next stage
+$(S20A_GGUF):
+	$(call git_gguf,bf3957d,specblock)
 train-dblast-s15: train-data-s16 $(DBLAST_S13A_GGUF)
 	$(call dblast_s16_stage,$(S15_DBLAST_STEPS),12,$(DBLAST_S13A_GGUF),dblast-s15,100)
 train-dblast-s15a: train-dblast-s15 $(DBLAST_S13A_GGUF)
