@@ -240,6 +240,11 @@ eval-drafters: eval-set
 # $(,)-separated) with a fresh cosine schedule and batch seed, STAGE_THREADS threads (1 beside another
 # job), more `train specblock` OPTIONS, resumable (log OUT.log)
 STAGE_THREADS ?= 1
+# a stage's fine-tune NAME averaged with its start (w 0.5) into NAMEa: $(1) start GGUF, $(2) NAME
+define average_with_start
+$(TRAIN) average --a $(1) --b $(TRAIN_DIR)/$(2) --out $(TRAIN_DIR)/$(2)a --weight 0.5
+endef
+
 define specblock_stage
 $(TRAIN) specblock --target $(SMOLLM2) --data $(or $(5),$(FRESH_DATA_DIR)) --batch-size 8 --anchors-per-seq 64 \
 	--lr 6e-4 --warmup 30 --eval-batches 16 --threads $(STAGE_THREADS) --steps $(1) --eval-every 400 --save-every 50 \
@@ -444,7 +449,7 @@ train-specblock-s13: train-data-s13 train-data-s13-long $(S12_GGUF)
 # 1.974 / 1.975 / 1.979 / 1.979 / 1.966): a flat top at 0.5-0.6, so 0.5 stays.
 .PHONY: train-specblock-s13a
 train-specblock-s13a: train-specblock-s13 $(S12_GGUF)
-	$(TRAIN) average --a $(S12_GGUF) --b $(TRAIN_DIR)/specblock-s13 --out $(TRAIN_DIR)/specblock-s13a --weight 0.5
+	$(call average_with_start,$(S12_GGUF),specblock-s13)
 
 # Stage 14 data (twentieth session): code answers again. Stage 13 (chat answers alone) lost 0.065
 # HumanEval tau, so the next stage keeps code in the mix: every `pycode` and `pycode-more` prompt
@@ -478,7 +483,7 @@ $(S13A_GGUF):
 train-specblock-s14: train-data-s13 train-data-s13-long train-data-s14 $(S13A_GGUF)
 	$(call specblock_stage,$(S14_SPECBLOCK_STEPS),9,$(S13A_GGUF),specblock-s14,$(S13_DATA_DIR)$(,)$(S13L_DATA_DIR)$(,)$(S14_DATA_DIR))
 train-specblock-s14a: train-specblock-s14 $(S13A_GGUF)
-	$(TRAIN) average --a $(S13A_GGUF) --b $(TRAIN_DIR)/specblock-s14 --out $(TRAIN_DIR)/specblock-s14a --weight 0.5
+	$(call average_with_start,$(S13A_GGUF),specblock-s14)
 
 # DBlast stage 6 (sixteenth session): the shipped stage-4 DBlast (b71a85e, from git history) fine-tuned
 # on stage 9's fresh answers, as stage 9 did for SpecBlock, one thread beside stage 10. As run: 600
@@ -528,7 +533,7 @@ $(S14A_GGUF):
 train-specblock-s15: train-data-s13-long train-data-s14 train-data-s15 $(S14A_GGUF)
 	$(call specblock_stage,$(S15_SPECBLOCK_STEPS),10,$(S14A_GGUF),specblock-s15,$(S13L_DATA_DIR)$(,)$(S14_DATA_DIR)$(,)$(S15_DATA_DIR))
 train-specblock-s15a: train-specblock-s15 $(S14A_GGUF)
-	$(TRAIN) average --a $(S14A_GGUF) --b $(TRAIN_DIR)/specblock-s15 --out $(TRAIN_DIR)/specblock-s15a --weight 0.5
+	$(call average_with_start,$(S14A_GGUF),specblock-s15)
 
 # Stage 16 (twenty-second session): the shipped stage 15a (bafd77f, from git history) fine-tuned again
 # the same way once the stage-15 data run had gone on (resumed with `make train-data-s15`) to more of
@@ -550,7 +555,7 @@ $(S15A_GGUF):
 train-specblock-s16: train-data-s13-long train-data-s14 train-data-s15 $(S15A_GGUF)
 	$(call specblock_stage,$(S16_SPECBLOCK_STEPS),11,$(S15A_GGUF),specblock-s16,$(S13L_DATA_DIR)$(,)$(S14_DATA_DIR)$(,)$(S15_DATA_DIR))
 train-specblock-s16a: train-specblock-s16 $(S15A_GGUF)
-	$(TRAIN) average --a $(S15A_GGUF) --b $(TRAIN_DIR)/specblock-s16 --out $(TRAIN_DIR)/specblock-s16a --weight 0.5
+	$(call average_with_start,$(S15A_GGUF),specblock-s16)
 
 # Stage 17 (twenty-third session), capacity: the shipped stage 16a (8dce7f7, from git history) grown
 # from 2 to 4 layers (`--n-layer 4`: the new layers start as copies of its last with their outputs
@@ -580,9 +585,9 @@ train-specblock-s17: train-data-s13-long train-data-s14 train-data-s15 $(S16A_GG
 train-specblock-s17d: train-data-s13-long train-data-s14 train-data-s15 $(S16A_GGUF)
 	$(call specblock_stage,$(S17_SPECBLOCK_STEPS),12,$(S16A_GGUF),specblock-s17d,$(S13L_DATA_DIR)$(,)$(S14_DATA_DIR)$(,)$(S15_DATA_DIR),--n-layer 4)
 train-specblock-s17a: train-specblock-s17 $(S16A_GGUF)
-	$(TRAIN) average --a $(S16A_GGUF) --b $(TRAIN_DIR)/specblock-s17 --out $(TRAIN_DIR)/specblock-s17a --weight 0.5
+	$(call average_with_start,$(S16A_GGUF),specblock-s17)
 train-specblock-s17da: train-specblock-s17d $(S16A_GGUF)
-	$(TRAIN) average --a $(S16A_GGUF) --b $(TRAIN_DIR)/specblock-s17d --out $(TRAIN_DIR)/specblock-s17da --weight 0.5
+	$(call average_with_start,$(S16A_GGUF),specblock-s17d)
 
 # Stage 18v (twenty-fourth session): the vocabulary lever. 16a's draft vocabulary (4,096 tokens picked in
 # stage 5) covers 89.4% of the evaluation set's answer tokens; the 8,192 most frequent answer tokens of
@@ -595,7 +600,7 @@ train-specblock-s17da: train-specblock-s17d $(S16A_GGUF)
 train-specblock-s18v: train-data-s13-long train-data-s14 train-data-s15 $(S16A_GGUF)
 	$(call specblock_stage,$(S17_SPECBLOCK_STEPS),12,$(S16A_GGUF),specblock-s18v,$(S13L_DATA_DIR)$(,)$(S14_DATA_DIR)$(,)$(S15_DATA_DIR),--repick-vocab --repick-size 8192)
 train-specblock-s18va: train-specblock-s18v $(S16A_GGUF)
-	$(TRAIN) average --a $(S16A_GGUF) --b $(TRAIN_DIR)/specblock-s18v --out $(TRAIN_DIR)/specblock-s18va --weight 0.5
+	$(call average_with_start,$(S16A_GGUF),specblock-s18v)
 
 # DBlast stage 7 / 7a (twentieth session): the shipped stage-4 DBlast on stage 13's chat answers, 300
 # steps on one thread (14 min), then averaged with its start as SpecBlock's stage 13a was. As run:
@@ -611,7 +616,7 @@ train-dblast-s7: train-data-s13 train-data-s13-long $(DBLAST_S4_GGUF)
 		--log-every 20 --loss al --n-categories 4 --seed 3 --init $(DBLAST_S4_GGUF) \
 		--out $(TRAIN_DIR)/dblast-s7 >> $(TRAIN_DIR)/dblast-s7.log 2>&1
 train-dblast-s7a: train-dblast-s7
-	$(TRAIN) average --a $(DBLAST_S4_GGUF) --b $(TRAIN_DIR)/dblast-s7 --out $(TRAIN_DIR)/dblast-s7a --weight 0.5
+	$(call average_with_start,$(DBLAST_S4_GGUF),dblast-s7)
 
 # DBlast stage 8 / 8x (twenty-fourth session): does DBlast lack SpecBlock's input path? Its block rows
 # are [embed(last), MASK ...] and reach the anchor's conditioning c[t] only through attention over the
@@ -721,8 +726,8 @@ $(DBLAST_S11_GGUF):
 train-specblock-s19: train-data-s16 $(S16A_GGUF)
 	$(call specblock_stage,$(S19_SPECBLOCK_STEPS),13,$(S16A_GGUF),specblock-s19,$(S16_DATA_DIR))
 train-specblock-s19a: train-specblock-s19 $(S16A_GGUF)
-	$(TRAIN) average --a $(S16A_GGUF) --b $(TRAIN_DIR)/specblock-s19 --out $(TRAIN_DIR)/specblock-s19a --weight 0.5
-# stages 12-14: a shipped DBlast fine-tuned on stage 16's answers alone. $(1) steps, $(2) batch seed, $(3) init GGUF,
+	$(call average_with_start,$(S16A_GGUF),specblock-s19)
+# stages 12-15: a shipped DBlast fine-tuned on stage 16's answers alone. $(1) steps, $(2) batch seed, $(3) init GGUF,
 # $(4) output name, $(5) eval interval
 define dblast_s16_stage
 $(TRAIN) $(DBLAST_STAGE) --data $(S16_DATA_DIR) --eval-every $(5) --anchors-per-seq 64 --lr 3e-4 --warmup 20 \
@@ -731,7 +736,7 @@ endef
 train-dblast-s12: train-data-s16 $(DBLAST_S11_GGUF)
 	$(call dblast_s16_stage,$(S12_DBLAST_STEPS),9,$(DBLAST_S11_GGUF),dblast-s12,100)
 train-dblast-s12a: train-dblast-s12 $(DBLAST_S11_GGUF)
-	$(TRAIN) average --a $(DBLAST_S11_GGUF) --b $(TRAIN_DIR)/dblast-s12 --out $(TRAIN_DIR)/dblast-s12a --weight 0.5
+	$(call average_with_start,$(DBLAST_S11_GGUF),dblast-s12)
 
 # Stage 13 (twenty-eighth session): the shipped DBlast 12a fine-tuned longer on the same stage-16 answers (stage 12's
 # held-out estimate was still rising at its last step), two threads, then averaged with 12a. Measured: 59 min; held-out
@@ -744,7 +749,7 @@ $(DBLAST_S12A_GGUF):
 train-dblast-s13: train-data-s16 $(DBLAST_S12A_GGUF)
 	$(call dblast_s16_stage,$(S13_DBLAST_STEPS),10,$(DBLAST_S12A_GGUF),dblast-s13,200)
 train-dblast-s13a: train-dblast-s13 $(DBLAST_S12A_GGUF)
-	$(TRAIN) average --a $(DBLAST_S12A_GGUF) --b $(TRAIN_DIR)/dblast-s13 --out $(TRAIN_DIR)/dblast-s13a --weight 0.5
+	$(call average_with_start,$(DBLAST_S12A_GGUF),dblast-s13)
 
 # Stage 14: the same once more from the shipped 13a, 600 steps (stage 13's held-out was still rising at its end).
 # Measured: 35 min; held-out 0.652; eval tau 1.512 (14), 1.522 (14a): +0.008, under the +0.01 that earns a bench; not shipped.
@@ -756,7 +761,7 @@ $(DBLAST_S13A_GGUF):
 train-dblast-s14: train-data-s16 $(DBLAST_S13A_GGUF)
 	$(call dblast_s16_stage,$(S14_DBLAST_STEPS),11,$(DBLAST_S13A_GGUF),dblast-s14,200)
 train-dblast-s14a: train-dblast-s14 $(DBLAST_S13A_GGUF)
-	$(TRAIN) average --a $(DBLAST_S13A_GGUF) --b $(TRAIN_DIR)/dblast-s14 --out $(TRAIN_DIR)/dblast-s14a --weight 0.5
+	$(call average_with_start,$(DBLAST_S13A_GGUF),dblast-s14)
 
 # Stage 20 / DBlast stage 15 (twenty-ninth session): the stage-16 data run resumed to its 5,000 prompts (nearly
 # twice the answers stages 19 and DBlast 12-14 saw), then the shipped drafters (SpecBlock 16a, DBlast 13a) fine-tuned on
@@ -775,14 +780,14 @@ S15_DBLAST_STEPS ?= 500
 train-specblock-s20: train-data-s16 $(S16A_GGUF)
 	$(call specblock_stage,$(S20_SPECBLOCK_STEPS),14,$(S16A_GGUF),specblock-s20,$(S16_DATA_DIR))
 train-specblock-s20a: train-specblock-s20 $(S16A_GGUF)
-	$(TRAIN) average --a $(S16A_GGUF) --b $(TRAIN_DIR)/specblock-s20 --out $(TRAIN_DIR)/specblock-s20a --weight 0.5
+	$(call average_with_start,$(S16A_GGUF),specblock-s20)
 S20A_GGUF = $(TRAIN_DIR)/specblock-s20a-bf3957d.q8_0.gguf  # the shipped SpecBlock, from git: the start of the next stage
 $(S20A_GGUF):
 	$(call git_gguf,bf3957d,specblock)
 train-dblast-s15: train-data-s16 $(DBLAST_S13A_GGUF)
 	$(call dblast_s16_stage,$(S15_DBLAST_STEPS),12,$(DBLAST_S13A_GGUF),dblast-s15,100)
 train-dblast-s15a: train-dblast-s15 $(DBLAST_S13A_GGUF)
-	$(TRAIN) average --a $(DBLAST_S13A_GGUF) --b $(TRAIN_DIR)/dblast-s15 --out $(TRAIN_DIR)/dblast-s15a --weight 0.5
+	$(call average_with_start,$(DBLAST_S13A_GGUF),dblast-s15)
 
 drafters: train-specblock-s20a train-dblast-s13a  # the shipped SpecBlock is stage 20a, the shipped DBlast its stage 13a
 	mkdir -p $(DRAFTERS_DIR)
