@@ -789,6 +789,15 @@ train-dblast-s15: train-data-s16 $(DBLAST_S13A_GGUF)
 train-dblast-s15a: train-dblast-s15 $(DBLAST_S13A_GGUF)
 	$(call average_with_start,$(DBLAST_S13A_GGUF),dblast-s15)
 
+# Stage 21 (thirtieth session): the shipped 20a fine-tuned on stage 16's and stage 17's answers together (twice the
+# answers stage 20 saw), a fresh cosine schedule and batch seed, then averaged with 20a (w 0.5).
+S21_SPECBLOCK_STEPS ?= 1800
+.PHONY: train-specblock-s21 train-specblock-s21a
+train-specblock-s21: train-data-s16 train-data-s17 $(S20A_GGUF)
+	$(call specblock_stage,$(S21_SPECBLOCK_STEPS),15,$(S20A_GGUF),specblock-s21,$(S16_DATA_DIR)$(,)$(S17_DATA_DIR))
+train-specblock-s21a: train-specblock-s21 $(S20A_GGUF)
+	$(call average_with_start,$(S20A_GGUF),specblock-s21)
+
 drafters: train-specblock-s20a train-dblast-s13a  # the shipped SpecBlock is stage 20a, the shipped DBlast its stage 13a
 	mkdir -p $(DRAFTERS_DIR)
 	for d in specblock-s20a dblast-s13a; do \
