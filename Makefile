@@ -789,6 +789,16 @@ train-dblast-s15: train-data-s16 $(DBLAST_S13A_GGUF)
 train-dblast-s15a: train-dblast-s15 $(DBLAST_S13A_GGUF)
 	$(call average_with_start,$(DBLAST_S13A_GGUF),dblast-s15)
 
+# Stage-18 data (thirtieth session): ShareGPT's second questions (`sharegpt-turn2`: the conversation's first
+# exchange, then its second user turn; ~4,300 of the 12,965 conversations that have one fit 512 prompt tokens), half
+# greedy, half sampled; resumable (`make -o setup train-data-s18`). No earlier cache asked a second question.
+S18_DATA_DIR = $(TRAIN_DIR)/data-smollm2-s18
+S18_PROMPTS ?= 5000
+.PHONY: train-data-s18
+train-data-s18: setup
+	mkdir -p $(TRAIN_DIR)
+	$(call data_workers,$(SMOLLM2),$(S18_DATA_DIR),sharegpt-turn2,$(S18_PROMPTS),64,data-s18,--max-prompt 512 --sample-frac 0.5 --seed 4)
+
 # Stage 21 (thirtieth session): the shipped 20a fine-tuned on stage 16's and stage 17's answers together (twice the
 # answers stage 20 saw), a fresh cosine schedule and batch seed, then averaged with 20a (w 0.5).
 S21_SPECBLOCK_STEPS ?= 1800

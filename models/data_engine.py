@@ -57,12 +57,14 @@ class EngineConfig:
 
 # ------------------------------------------------------------------------------------- prompts
 
-def _prompt_messages(conv: list[dict]) -> list[dict] | None:
-    """A conversation -> the messages up to and including its first user turn."""
-    out = []
+def _prompt_messages(conv: list[dict], turn: int = 1) -> list[dict] | None:
+    """A conversation -> the messages up to and including its `turn`-th user turn (None if it has
+    fewer): turn 2 asks the target the conversation's second question, after its first exchange."""
+    out, seen = [], 0
     for m in conv:
         out.append({"role": m["role"], "content": m["content"]})
-        if m["role"] == "user":
+        seen += m["role"] == "user"
+        if seen == turn:
             return out
     return None
 
@@ -72,10 +74,18 @@ def _source_name(spec: str) -> str:
     return spec.rpartition(":")[0] if re.fullmatch(r".+:\d+", spec) else spec
 
 
+def _conversation_turn(name: str) -> tuple[str, int]:
+    """`sharegpt-turn2` -> ("sharegpt", 2): a conversation source asked at a later user turn."""
+    m = re.fullmatch(r"(.+)-turn(\d+)", name)
+    return (m.group(1), max(1, int(m.group(2)))) if m else (name, 1)
+
+
 def iter_prompts(sources: Sequence[str]) -> Iterator[list[dict]]:
     """Prompt messages, round-robin over the sources: `sharegpt`, `chitchat`, `pycode` (pip packages,
     the stdlib) or a JSONL file ("prompt" string or "messages" list per line; a bad line is a one-line
-    error). `SOURCE:N` starts that source at its N-th record, so a new run takes fresh prompts."""
+    error). `SOURCE:N` starts that source at its N-th record, so a new run takes fresh prompts;
+    `sharegpt-turn2` (any conversation source) asks each conversation's second question instead,
+    after its first exchange; conversations with one user turn are skipped."""
     return (msgs for _, msgs in tagged_prompts(sources))
 
 
@@ -99,8 +109,9 @@ def tagged_prompts(sources: Sequence[str]) -> Iterator[tuple[str, list[dict]]]:
     for spec in sources:
         s = _source_name(spec)
         start = spec[len(s) + 1:] or "0"
-        if s in data.SOURCES:
-            it = (_prompt_messages(c) for c in data.SOURCES[s]())
+        conv, turn = _conversation_turn(s)
+        if conv in data.SOURCES:
+            it = (_prompt_messages(c, turn) for c in data.SOURCES[conv]())
         elif s in PROMPT_SETS:
             it = iter(load_prompts(s))
         else:
@@ -271,7 +282,7 @@ def run_engine(target_path: str | os.PathLike, sources: Sequence[str], out_dir: 
     from blockspec.runtime.engine.sampling import SamplingParams, target_distribution
     from blockspec.runtime.llama.target import Target, TargetConfig
 
-    from .data import _norm, eval_prompts, first_user
+    from .data import _norm, eval_prompts
 
     evals = [s for s in sources if _source_name(s) in PROMPT_SETS]
     if evals and not cfg.eval_set:
@@ -308,7 +319,7 @@ def run_engine(target_path: str | os.PathLike, sources: Sequence[str], out_dir: 
         for idx, msgs in enumerate(iter_prompts(sources)):
             if n >= cfg.n_prompts:
                 return
-            if _norm(first_user(msgs)) in banned:
+            if any(_norm(m["content"]) in banned for m in msgs if m["role"] == "user"):
                 stats["eval_dropped"] += 1
                 continue
             if idx in writer.done:

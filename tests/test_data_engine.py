@@ -271,3 +271,23 @@ def test_prompt_length_window(smollm2_path, tmp_path):
         _run(smollm2_path, prompts, tmp_path / "none", min_prompt=300, max_prompt=256)
     with pytest.raises(BlockspecError, match="min_prompt"):
         _run(smollm2_path, prompts, tmp_path / "long", n_prompts=5, max_new=2, min_prompt=lo + 1)
+
+
+def test_later_turn_sources_ask_the_second_question():
+    """`sharegpt-turn2` asks each ShareGPT conversation its second question after the first exchange
+    (conversations with one question are skipped), and `SOURCE:N` still counts records."""
+    import itertools
+
+    from blockspec.models import data
+    from blockspec.models.data_engine import iter_prompts
+
+    convs = list(itertools.islice(data.SOURCES["sharegpt"](), 40))
+    want = []
+    for c in convs:
+        users = [i for i, m in enumerate(c) if m["role"] == "user"]
+        if len(users) >= 2:
+            want.append([{"role": m["role"], "content": m["content"]} for m in c[:users[1] + 1]])
+    got = list(itertools.islice(iter_prompts(["sharegpt-turn2"]), len(want)))
+    assert want and got == want
+    assert all(p[-1]["role"] == "user" and any(m["role"] == "assistant" for m in p) for p in got)
+    assert list(itertools.islice(iter_prompts(["sharegpt-turn2:40"]), 1))[0] not in want
