@@ -120,7 +120,8 @@ def features_cmd(target, out, layers, sources, n_seqs, max_len, shard_size, batc
 @click.option("--target", required=True, type=click.Path(exists=True), help="target GGUF (llama, qwen2, qwen3)")
 @click.option("--prompts", "sources", default="sharegpt,chitchat", show_default=True,
               help="comma-separated: sharegpt, chitchat, pycode, or JSONL files (\"prompt\" or \"messages\" per line); "
-                   "SOURCE:N starts that source at its N-th record (fresh prompts for a new run)")
+                   "SOURCE:N starts that source at its N-th record (fresh prompts for a new run); "
+                   "sharegpt-turn2 asks each conversation its second question, after the first exchange")
 @click.option("--out", required=True, type=click.Path(), help="cache dir (resumed if present)")
 @click.option("--layers", default="", help="comma-separated layer-input ids; default: 5 spread layers")
 @click.option("--n-prompts", default=1000, show_default=True, help="prompts to answer over the whole run")
