@@ -14,8 +14,6 @@ there. Prints one JSON object.
 from __future__ import annotations
 
 import json
-from pathlib import Path
-
 import click
 import numpy as np
 
@@ -31,16 +29,10 @@ def main(drafter: str, data: str, target: str, batches: int) -> None:
     import torch
 
     from blockspec.models import data as data_mod
-    from blockspec.models.checkpoint import read_drafter_gguf
     from blockspec.models.target import load_target
     from blockspec.models.train import Batches, block_view, draft_greedy, load_drafter
 
-    tgt = load_target(target)
-    if Path(drafter).is_dir():
-        model, _ = load_drafter(drafter, tgt)
-    else:
-        model, _ = read_drafter_gguf(drafter)
-        model.bind_target(tgt.tok_embeddings.weight, tgt.head_weight)
+    model, _ = load_drafter(drafter, load_target(target))
     model.eval()
     P = model.args.n_predict
     source = data_mod.open_feature_cache(data, list(model.args.target_layers))

@@ -458,15 +458,21 @@ def save_checkpoint(out: Path, model, opt, c: TrainConfig, step: int, history: l
 
 
 def load_drafter(ckpt_dir: str | os.PathLike, target=None):
-    """Rebuild a drafter from its checkpoint alone (and bind a loaded target's embeddings/head)."""
+    """Rebuild a drafter from its checkpoint folder or its GGUF (and bind a loaded target's
+    embeddings/head)."""
     from safetensors.torch import load_file
 
     from . import build_model
 
     d = Path(ckpt_dir)
-    meta = json.loads((d / "drafter.json").read_text())
-    model = build_model(meta["model_args"])
-    model.load_state_dict(load_file(str(d / "drafter.safetensors")))
+    if d.is_dir():
+        meta = json.loads((d / "drafter.json").read_text())
+        model = build_model(meta["model_args"])
+        model.load_state_dict(load_file(str(d / "drafter.safetensors")))
+    else:
+        from blockspec.models.checkpoint import read_drafter_gguf
+
+        model, meta = read_drafter_gguf(d)
     if target is not None:
         model.bind_target(target.tok_embeddings.weight, target.head_weight)
     return model, meta
@@ -660,13 +666,7 @@ def evaluate_drafter(drafter: str, data: str, target_path: str, n_batches: int =
 
     cache_metas(data)
     target = target or load_target(target_path)
-    if Path(drafter).is_dir():
-        model, meta = load_drafter(drafter, target)
-    else:
-        from blockspec.models.checkpoint import read_drafter_gguf
-
-        model, meta = read_drafter_gguf(drafter)
-        model.bind_target(target.tok_embeddings.weight, target.head_weight)
+    model, meta = load_drafter(drafter, target)
     a = model.args
     source = data_mod.open_feature_cache(data, list(a.target_layers))
     if getattr(source, "answer_start", None) is None:
