@@ -821,6 +821,15 @@ S21A_GGUF = $(TRAIN_DIR)/specblock-s21a-6c30ed4.q8_0.gguf  # the shipped SpecBlo
 $(S21A_GGUF):
 	$(call git_gguf,6c30ed4,specblock)
 
+# Stage 22 (thirty-first session): the shipped 21a fine-tuned again on the same 1.88M answers (stage 21's held-out
+# estimate was still rising at its last evaluation), a fresh cosine schedule and batch seed, then averaged with 21a.
+S22_SPECBLOCK_STEPS ?= 2000
+.PHONY: train-specblock-s22 train-specblock-s22a
+train-specblock-s22: train-data-s16 train-data-s17 $(S21A_GGUF)
+	$(call specblock_stage,$(S22_SPECBLOCK_STEPS),16,$(S21A_GGUF),specblock-s22,$(S16_DATA_DIR)$(,)$(S17_DATA_DIR))
+train-specblock-s22a: train-specblock-s22 $(S21A_GGUF)
+	$(call average_with_start,$(S21A_GGUF),specblock-s22)
+
 drafters: train-specblock-s21a train-dblast-s13a  # the shipped SpecBlock is stage 21a, the shipped DBlast its stage 13a
 	mkdir -p $(DRAFTERS_DIR)
 	for d in specblock-s21a dblast-s13a; do \
