@@ -823,6 +823,10 @@ $(S21A_GGUF):
 
 # Stage 22 (thirty-first session): the shipped 21a fine-tuned again on the same 1.88M answers (stage 21's held-out
 # estimate was still rising at its last evaluation), a fresh cosine schedule and batch seed, then averaged with 21a.
+# As run (thirty-first session): 2,000 steps in 72 min, one thread, beside one stage-18 data worker; held-out 1.261 /
+# 1.292 / 1.372 / 1.436 / 1.461 at steps 400-2,000 (stage 21: 1.412 at its end). Evaluation set tau: 21a 2.178 ->
+# 22 2.170 -> 22a 2.196 (MT-Bench 1.999, HumanEval 2.271, first token 0.598). Bench on 40 prompts T = 0
+# (smollm2-s22-bench40): 21a 1.998 / 22a 1.990, passes accepting 55.1% / 53.5%, both 0.87x: not shipped.
 S22_SPECBLOCK_STEPS ?= 2000
 .PHONY: train-specblock-s22 train-specblock-s22a
 train-specblock-s22: train-data-s16 train-data-s17 $(S21A_GGUF)
