@@ -84,17 +84,3 @@ def test_lookup_first_auto_is_lossless(target):
     assert d.lookup_steps > 0
     assert None in d.policy.kinds and len(d.policy.kinds) > 1, d.policy.kinds  # the model's and a lookup's
     assert len(d.model.tokens) == len(prompt) + len(spec.tokens) - 1
-
-
-def test_lookup_and_model_drafts_in_one_tree_are_lossless(target):
-    """`specblock+ngram --branches 2`: where the lookup matches, SpecBlock's chain joins the lookup's
-    in one tree; greedy output still equals plain decoding, and some step held two different drafts."""
-    d = make_drafter("specblock+ngram", block_size=4, branches=2)
-    assert d.max_leaves == 2
-    prompt = prompt_tokens(target, REPEAT)
-    plain = generate(target, prompt, max_tokens=96, sampling=SamplingParams(temperature=0.0))
-    spec = generate(target, prompt, max_tokens=96, sampling=SamplingParams(temperature=0.0), drafter=d)
-    assert spec.tokens == plain.tokens
-    assert d.both_steps > 0, "no step drafted the lookup's and the model's different drafts together"
-    with pytest.raises(BlockspecError, match="auto"):
-        make_drafter("specblock+ngram", block_size="auto", branches=2)

@@ -101,8 +101,6 @@ METHODS: dict[str, Method] = {
     "dblast-pilot-auto": Method("dblast", needs_drafter=True, auto=True, pilot=True),
     # n-gram lookup where the history repeats, the shipped model drafter elsewhere (drafters/ngram.py LookupFirst)
     "specblock+ngram": Method("specblock+ngram", needs_drafter=True, shipped="specblock"),
-    # the lookup's chain beside SpecBlock's in one tree wherever the lookup matches (LookupFirst both)
-    "specblock+ngram-tree": Method("specblock+ngram", branches=2, needs_drafter=True, shipped="specblock"),
     "specblock+ngram-pilot": Method("specblock+ngram", needs_drafter=True, shipped="specblock", pilot=True),
     # the lookup's drafts cut per match-length class, the model's depth per step (runtime/engine/policy.py)
     "specblock+ngram-auto": Method("specblock+ngram", needs_drafter=True, shipped="specblock", auto=True),

@@ -110,22 +110,12 @@ class LookupFirst:
     Everything but `propose`, the name and the block size is the model drafter's: it observes
     every committed row, as it must, whichever drafted. The lookup drafts `block_size` tokens, which
     may exceed what the model was trained to draft (a GPU verifies 8 or 16 rows for about the cost
-    of one); the model drafts at most its own n_predict.
+    of one); the model drafts at most its own n_predict."""
 
-    both=True (`--branches 2`, the bench's `specblock+ngram-tree`): where the lookup matches and the
-    drafts are deterministic (greedy, or sample-and-match), the model drafts too and both drafts go
-    into one tree, verified in one pass, so a step keeps whichever of the two runs longer (on the
-    evaluation set the longer of the two per block is worth tau 3.42 against the switch's 2.83,
-    `benchmarks/copy_lookup.py`), for one more branch of verify rows. With drafts drawn from the
-    model's law (rejection sampling) the lookup drafts alone, as without `both`."""
-
-    def __init__(self, model, block_size: int, min_ngram: int = 3, both: bool = False):
+    def __init__(self, model, block_size: int, min_ngram: int = 3):
         self.model = model
         self.lookup = NgramDrafter(block_size=block_size, min_ngram=min_ngram, max_ngram=min_ngram)
         self.name = f"{model.name}+ngram"
-        self.both = both
-        self.max_leaves = model.max_leaves + (1 if both else 0)
-        self.both_steps = 0  # steps whose tree held two different drafts
 
     def __getattr__(self, attr):  # only reached for what this class does not define
         return getattr(self.__dict__["model"], attr)
@@ -147,10 +137,6 @@ class LookupFirst:
 
     def propose(self, history: Sequence[int], sampler=None) -> DraftTree:
         tree = self.lookup.propose(history)
-        if len(tree) == 1:
-            return self.model.propose(history, sampler)
-        if not self.both or sampler is not None:
+        if len(tree) > 1:
             return tree
-        merged = DraftTree.from_paths(tree.tokens[0], tree.token_paths() + self.model.propose(history).token_paths())
-        self.both_steps += len(merged.leaves()) > len(tree.leaves())
-        return merged
+        return self.model.propose(history, sampler)

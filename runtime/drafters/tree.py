@@ -149,10 +149,6 @@ class DraftTree:
             node = self.parents[node]
         return out[::-1]
 
-    def token_paths(self) -> list[list[int]]:
-        """Each leaf's drafted tokens from below the root: what `from_paths` merges."""
-        return [[self.tokens[i] for i in self.path(leaf)[1:]] for leaf in self.leaves()]
-
     def seq_ids(self, base: int = 1) -> tuple[list[list[int]], list[int]]:
         """(per-node sequence ids, leaf of each id): leaf j gets id base + j and every node
         carries the ids of the leaves below it."""

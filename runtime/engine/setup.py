@@ -117,13 +117,10 @@ def make_drafter(method: str, drafter_path: str | None = None, backend: str | No
     if plus:  # `specblock+ngram`: n-gram lookup first, the model drafter elsewhere
         if extra != "ngram" or base not in ("specblock", "dblast"):
             raise BlockspecError(f"unknown method {method!r}: a combined method is specblock+ngram or dblast+ngram")
-        # auto: the model drafter's policy, and the lookup's drafts as kinds of their own (policy.py);
-        # branches: the model's, plus the lookup's chain beside them where it matches (LookupFirst both)
-        if branches > 1 and block_size == "auto":
-            raise BlockspecError("--block-size auto chooses the depth of a chain: use it with --branches 1")
-        model = make_drafter(base, drafter_path, backend, block_size, max(1, branches - 1), blockpilot)
+        # auto: the model drafter's policy, and the lookup's drafts as kinds of their own (policy.py)
+        model = make_drafter(base, drafter_path, backend, block_size, branches, blockpilot)
         lookup_size = {"pilot": model.block_size, "auto": AUTO_NGRAM_DEPTH}.get(block_size, block_size)
-        d = LookupFirst(model, lookup_size, both=branches > 1)
+        d = LookupFirst(model, lookup_size)
         for attr in ("pilot", "policy"):
             if getattr(model, attr, None) is not None:
                 setattr(d, attr, getattr(model, attr))

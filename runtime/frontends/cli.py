@@ -45,7 +45,7 @@ def cli():
               help="where a model drafter runs [default: ggml for a GGUF drafter]")
 @click.option("--block-size", default=None, help=BLOCK_SIZE_HELP)
 @click.option("--blockpilot", default=None, help=BLOCKPILOT_HELP)
-@click.option("--branches", type=int, default=1, show_default=True, help="tree branches (ngram: matches merged; specblock+ngram: the model's and the lookup's drafts in one tree)")
+@click.option("--branches", type=int, default=1, show_default=True, help="tree branches (ngram: matches merged)")
 @click.option("--max-tokens", type=int, default=256, show_default=True, help="new tokens at most")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy")
 @click.option("--top-k", type=int, default=40, show_default=True,
