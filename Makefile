@@ -834,6 +834,17 @@ train-specblock-s22: train-data-s16 train-data-s17 $(S21A_GGUF)
 train-specblock-s22a: train-specblock-s22 $(S21A_GGUF)
 	$(call average_with_start,$(S21A_GGUF),specblock-s22)
 
+# Stage 23 (prepared in the thirty-first session, not yet run): 21a fine-tuned on fresh answers, stage 18's second
+# questions (finish them first: `make -o setup train-data-s18`) with stage 17's, then averaged with 21a. Stage 22 showed
+# that more steps on the answers 21a already saw do not carry over to the bench; stages 16-18 together may not fit in
+# 24 GiB, so stage 16 is left out.
+S23_SPECBLOCK_STEPS ?= 1800
+.PHONY: train-specblock-s23 train-specblock-s23a
+train-specblock-s23: train-data-s17 train-data-s18 $(S21A_GGUF)
+	$(call specblock_stage,$(S23_SPECBLOCK_STEPS),17,$(S21A_GGUF),specblock-s23,$(S17_DATA_DIR)$(,)$(S18_DATA_DIR))
+train-specblock-s23a: train-specblock-s23 $(S21A_GGUF)
+	$(call average_with_start,$(S21A_GGUF),specblock-s23)
+
 drafters: train-specblock-s21a train-dblast-s13a  # the shipped SpecBlock is stage 21a, the shipped DBlast its stage 13a
 	mkdir -p $(DRAFTERS_DIR)
 	for d in specblock-s21a dblast-s13a; do \
