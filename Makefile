@@ -796,7 +796,9 @@ train-dblast-s15a: train-dblast-s15 $(DBLAST_S13A_GGUF)
 # exchange, then its second user turn; ~4,300 of the 12,965 conversations that have one fit 512 prompt tokens), half
 # greedy, half sampled; resumable (`make -o setup train-data-s18`). No earlier cache asked a second question.
 # Thirtieth session: worker 0 alone (its command as this recipe runs it) beside stage 21's training, 66 answer tok/s,
-# stopped after 20 shards (3.3 GB) for the bench; the recipe resumes both workers.
+# stopped after 20 shards (3.3 GB) for the bench; the recipe resumes both workers. Thirty-first session: worker 0 (the
+# same command) finished its half beside stage 22's training, 64 answer tok/s: 41 shards, 7.0 GB, 498,317 answer tokens
+# in the cache (7,580 prompts over 512 tokens skipped, 0 evaluation prompts met); worker 1's half is not yet answered.
 S18_DATA_DIR = $(TRAIN_DIR)/data-smollm2-s18
 S18_PROMPTS ?= 5000
 .PHONY: train-data-s18
@@ -826,7 +828,8 @@ $(S21A_GGUF):
 # As run (thirty-first session): 2,000 steps in 72 min, one thread, beside one stage-18 data worker; held-out 1.261 /
 # 1.292 / 1.372 / 1.436 / 1.461 at steps 400-2,000 (stage 21: 1.412 at its end). Evaluation set tau: 21a 2.178 ->
 # 22 2.170 -> 22a 2.196 (MT-Bench 1.999, HumanEval 2.271, first token 0.598). Bench on 40 prompts T = 0
-# (smollm2-s22-bench40): 21a 1.998 / 22a 1.990, passes accepting 55.1% / 53.5%, both 0.87x: not shipped.
+# (smollm2-s22-bench40): 21a 1.998 / 22a 1.990, passes accepting 55.1% / 53.5%, both 0.87x; on 80 further prompts
+# (smollm2-s22-bench-next80) 1.963 / 1.971; all 120: 1.971 / 1.973, a tie: not shipped.
 S22_SPECBLOCK_STEPS ?= 2000
 .PHONY: train-specblock-s22 train-specblock-s22a
 train-specblock-s22: train-data-s16 train-data-s17 $(S21A_GGUF)
