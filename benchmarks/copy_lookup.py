@@ -56,36 +56,20 @@ def lookup(h: np.ndarray, P: int, max_ngram: int) -> tuple[np.ndarray, int]:
 def main(drafter: str, data: str, target: str, batches: int, max_ngram: int) -> None:
     import torch
 
-    from blockspec.models import data as data_mod
-    from blockspec.models.target import load_target
-    from blockspec.models.train import Batches, accepted_lengths, block_view, load_drafter
+    from blockspec.models.train import accepted_lengths, heldout_blocks
 
-    model, _ = load_drafter(drafter, load_target(target))
-    model.eval()
+    model, blocks = heldout_blocks(drafter, data, target, batches)
     P = model.args.n_predict
-    source = data_mod.open_feature_cache(data, list(model.args.target_layers))
-    split = Batches(source, P, 1.0 if source.meta.get("eval_set") else 0.1, seed=0)
-    split.require_heldout(data)
-    rng = np.random.default_rng(12345)
     acc = np.zeros((BUCKETS + 1, len(BONUSES)))  # bucket 0: no match
     inv = np.zeros((BUCKETS + 1, len(BONUSES)))  # sum of 1 / (1 + accepted): passes per token
     oracle, n_blocks = np.zeros(BUCKETS + 1), np.zeros(BUCKETS + 1)
-    kept = {}
-    rows_of = source.rows
-
-    def rows(idx):
-        kept.update(d := rows_of(idx))
-        return d
-
-    source.rows = rows
     with torch.no_grad():
-        for _ in range(batches):
-            b = block_view(split.get_batch("heldout", 8, 16, rng, span=P), 0, P)
+        for b in blocks:
             out = model(b["feats"], b["anchors"], b["last"])
             logp = torch.log_softmax(out.logits.float(), -1)  # [B, N, P, Vd]
             top, arg = logp.max(-1)
             own = model.vocab.to_target(arg)
-            tok, anc = kept["tokens"], b["anchors"].numpy()
+            tok, anc = b["tokens"], b["anchors"].numpy()
             cand = np.full(anc.shape + (P,), -1, np.int64)
             mlen = np.zeros(anc.shape, np.int64)
             for r, n in np.ndindex(anc.shape):

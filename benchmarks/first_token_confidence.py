@@ -28,38 +28,22 @@ EDGES = (0.0, 0.3, 0.5, 0.7, 0.9, 1.01)
 def main(drafter: str, data: str, target: str, batches: int) -> None:
     import torch
 
-    from blockspec.models import data as data_mod
-    from blockspec.models.target import load_target
-    from blockspec.models.train import Batches, block_view, draft_greedy, load_drafter
+    from blockspec.models.train import draft_greedy, heldout_blocks
 
-    model, _ = load_drafter(drafter, load_target(target))
-    model.eval()
+    model, blocks = heldout_blocks(drafter, data, target, batches)
     P = model.args.n_predict
-    source = data_mod.open_feature_cache(data, list(model.args.target_layers))
-    split = Batches(source, P, 1.0 if source.meta.get("eval_set") else 0.1, seed=0)
-    split.require_heldout(data)
-    rng = np.random.default_rng(12345)
     nb = len(EDGES) - 1
     count, hit, oov = (np.zeros((nb, P)) for _ in range(3))
     seen, seen_hit = np.zeros(nb), np.zeros(nb)
-    rows_of = source.rows
-    kept = {}
-
-    def rows(idx):  # the batch's token rows, for the bigram test
-        kept.update(d := rows_of(idx))
-        return d
-
-    source.rows = rows
     with torch.no_grad():
-        for _ in range(batches):
-            b = block_view(split.get_batch("heldout", 8, 16, rng, span=P), 0, P)
+        for b in blocks:
             draft, _ = draft_greedy(model, b)
             conf = b["top_logp"][..., 0].exp().numpy()  # [B, N, P]
             valid = b["valid"].numpy()
             match = (draft == b["labels"]).numpy()
             out = (model.vocab.t2d(b["labels"]) < 0).numpy()
             bins = np.digitize(conf, EDGES) - 1
-            tok, anc, lab = kept["tokens"], b["anchors"].numpy(), b["labels"].numpy()[..., 0]
+            tok, anc, lab = b["tokens"], b["anchors"].numpy(), b["labels"].numpy()[..., 0]
             bigram = np.zeros(anc.shape, bool)
             for r, n in np.ndindex(anc.shape):
                 ctx = tok[r, :anc[r, n] + 2]  # the context up to and including the block's last token

@@ -478,6 +478,38 @@ def load_drafter(ckpt_dir: str | os.PathLike, target=None):
     return model, meta
 
 
+def heldout_blocks(drafter: str, data: str, target_path: str, n_batches: int):
+    """(model, blocks): a drafter (checkpoint dir or GGUF) and a generator of the held-out blocks
+    `train eval` scores on a self-distilled cache (every prompt of an evaluation set), n_batches
+    batches of 8 rows x 16 blocks with a fixed seed, each the block view with the rows' whole
+    token sequences added as "tokens" [B, T] (what the diagnostic scripts in benchmarks/ read)."""
+    from . import data as data_mod
+    from .target import load_target
+
+    model, _ = load_drafter(drafter, load_target(target_path))
+    model.eval()
+    P = model.args.n_predict
+    source = data_mod.open_feature_cache(data, list(model.args.target_layers))
+    split = Batches(source, P, 1.0 if source.meta.get("eval_set") else 0.1, seed=0)
+    split.require_heldout(data)
+    kept = {}
+    rows_of = source.rows
+
+    def rows(idx):  # keep the batch's token rows
+        kept.update(d := rows_of(idx))
+        return d
+
+    source.rows = rows
+
+    def blocks():
+        rng = np.random.default_rng(12345)
+        for _ in range(n_batches):
+            b = block_view(split.get_batch("heldout", 8, 16, rng, span=P), 0, P)
+            yield {**b, "tokens": kept["tokens"]}
+
+    return model, blocks()
+
+
 def cache_metas(data: str) -> dict[str, dict]:
     """Each comma-separated cache dir of --data with its meta.json; BlockspecError, one line, naming
     a dir that holds no feature cache."""
