@@ -848,19 +848,6 @@ train-specblock-s23: train-data-s17 train-data-s18 $(S21A_GGUF)
 train-specblock-s23a: train-specblock-s23 $(S21A_GGUF)
 	$(call average_with_start,$(S21A_GGUF),specblock-s23)
 
-# The copy input, sized (thirty-second session): does SpecBlock draft better when it reads the lookup's continuation?
-# `--copy-input` gives each block position the token the context lookup proposes there (the longest earlier match of
-# the context's suffix, up to 8 tokens; none where nothing matches) and the match length, through two zero-started
-# projections, so the drafter begins as 21a. A torch-only measurement (`train eval` on the evaluation set): the GGUF
-# export refuses a copy-input drafter. The control is the same run without it. Stage 18's answers alone (memory: the
-# pair runs beside stage 23).
-S24_STEPS ?= 600
-.PHONY: train-specblock-s24c train-specblock-s24x
-train-specblock-s24c: train-data-s18 $(S21A_GGUF)
-	$(call specblock_stage,$(S24_STEPS),18,$(S21A_GGUF),specblock-s24c,$(S18_DATA_DIR))
-train-specblock-s24x: train-data-s18 $(S21A_GGUF)
-	$(call specblock_stage,$(S24_STEPS),18,$(S21A_GGUF),specblock-s24x,$(S18_DATA_DIR),--copy-input)
-
 drafters: train-specblock-s21a train-dblast-s13a  # the shipped SpecBlock is stage 21a, the shipped DBlast its stage 13a
 	mkdir -p $(DRAFTERS_DIR)
 	for d in specblock-s21a dblast-s13a; do \

@@ -26,6 +26,27 @@ BONUSES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 100.0)
 BUCKETS = 4  # match lengths 1, 2, 3, >= 4
 
 
+def lookup(h: np.ndarray, P: int, max_ngram: int) -> tuple[np.ndarray, int]:
+    """The continuation (P tokens, -1 padded) of the longest earlier match of h's suffix, and its length."""
+    ends = np.flatnonzero(h[:-1] == h[-1])  # earlier positions holding the last token
+    m = 0
+    best = -1
+    for n in range(1, max_ngram + 1):
+        if not len(ends):
+            break
+        best, m = int(ends[-1]), n
+        if n == max_ngram:
+            break
+        ok = ends - n >= 0
+        ends = ends[ok]
+        ends = ends[h[ends - n] == h[len(h) - 1 - n]]
+    cand = np.full(P, -1, np.int64)
+    if best >= 0:
+        c = h[best + 1:best + 1 + P]
+        cand[:len(c)] = c
+    return cand, m
+
+
 @click.command()
 @click.option("--drafter", required=True, type=click.Path(exists=True), help="drafter GGUF or checkpoint dir")
 @click.option("--data", required=True, help="self-distilled cache(s), comma-separated")
@@ -35,8 +56,7 @@ BUCKETS = 4  # match lengths 1, 2, 3, >= 4
 def main(drafter: str, data: str, target: str, batches: int, max_ngram: int) -> None:
     import torch
 
-    from blockspec.models.specblock import context_lookup as lookup
-    from blockspec.models.train import accepted_lengths, copy_args, heldout_blocks
+    from blockspec.models.train import accepted_lengths, heldout_blocks
 
     model, blocks = heldout_blocks(drafter, data, target, batches)
     P = model.args.n_predict
@@ -45,7 +65,7 @@ def main(drafter: str, data: str, target: str, batches: int, max_ngram: int) -> 
     oracle, n_blocks = np.zeros(BUCKETS + 1), np.zeros(BUCKETS + 1)
     with torch.no_grad():
         for b in blocks:
-            out = model(b["feats"], b["anchors"], b["last"], **copy_args(b))  # a --copy-input drafter reads it too
+            out = model(b["feats"], b["anchors"], b["last"])
             logp = torch.log_softmax(out.logits.float(), -1)  # [B, N, P, Vd]
             top, arg = logp.max(-1)
             own = model.vocab.to_target(arg)

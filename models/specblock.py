@@ -12,10 +12,6 @@ Per block anchored at context position t (see drafter.py for the anchor conventi
              "branch rank_widths[b] candidates here" (the dynamic tree).
 The rank head reads detached inputs: it is a classifier on top of the drafter, trained by its own
 cross-entropy, and must not bend the drafter toward being easy to classify.
-
-Experiment (`copy_input`, torch only): x0[k] also gets copy_proj(embed(c[k])) + copy_len(bucket of m), where c is
-the context lookup's continuation (`context_lookup`: the longest earlier match, m tokens, of the context's suffix)
-and c[k] its proposal for the token logits[k] predicts; both projections start at zero.
 """
 
 from __future__ import annotations
@@ -29,8 +25,6 @@ from torch import nn
 
 from .common import args_from_dict
 from .drafter import BlockDrafter, DraftCache, block_mask, softmax_summary
-
-COPY_LEN_BUCKETS = 6  # copy_input's match lengths: none, 1, 2, 3, 4-7, >= 8 tokens
 
 
 @dataclass
@@ -52,8 +46,6 @@ class ModelArgs:
     rank_hidden: int = 64
     rope_base: float = 10000.0
     norm_eps: float = 1e-6
-    copy_input: bool = False            # experiment: read the context lookup's continuation (torch only)
-    copy_ngram: int = 8                 # its longest match
 
     @classmethod
     def from_dict(cls, params: Mapping[str, Any]) -> "ModelArgs":
@@ -83,19 +75,6 @@ class SpecBlock(BlockDrafter):
         self.rank_head = nn.Sequential(nn.Linear(H + n_sum, args.rank_hidden), nn.SiLU(),
                                        nn.Linear(args.rank_hidden, len(args.rank_widths)))
         self.reset_shift()
-        if args.copy_input:
-            self.add_copy_input()
-
-    def add_copy_input(self) -> None:
-        """Each block position also reads the context lookup's proposal for its token and the match's
-        length bucket, through zero-initialised projections: the drafter drafts exactly what it did,
-        and training opens the path."""
-        H = self.args.dim
-        self.copy_proj = nn.Linear(H, H, bias=False).to(self.pos_query)
-        self.copy_len = nn.Embedding(COPY_LEN_BUCKETS, H).to(self.pos_query)
-        nn.init.zeros_(self.copy_proj.weight)
-        nn.init.zeros_(self.copy_len.weight)
-        self.args.copy_input = True
 
     def reset_shift(self) -> None:
         """Start each shift as [I, small]: the layer stack begins as a plain transformer and
@@ -139,15 +118,12 @@ class SpecBlock(BlockDrafter):
 
     def forward(self, feats: torch.Tensor, anchors: torch.Tensor, last_tokens: torch.Tensor,
                 cache: DraftCache | None = None, cond_override: torch.Tensor | None = None,
-                ctx_end: torch.Tensor | None = None, copy_tok: torch.Tensor | None = None,
-                copy_len: torch.Tensor | None = None) -> SpecBlockOutput:
+                ctx_end: torch.Tensor | None = None) -> SpecBlockOutput:
         """feats [B, S, F]: target states of context positions (the new ones when `cache` is given;
         S may be 0); anchors [B, N] absolute context positions; last_tokens [B, N] = x[anchor+1];
         cond_override [B, N, H]: use these instead of c[anchor] (cross-block training);
         ctx_end [B, N]: the last context position each block may attend to (default: its anchor;
-        a cross-block block anchored past the target's features sees only those that exist);
-        copy_tok [B, N, K] (target ids, -1: none) / copy_len [B, N]: `context_lookup`'s proposal and
-        match length (copy_input only; none given: no match anywhere)."""
+        a cross-block block anchored past the target's features sees only those that exist)."""
         a = self.args
         B, N = anchors.shape
         K, H = a.block_size, a.dim
@@ -159,13 +135,6 @@ class SpecBlock(BlockDrafter):
             c = cond_override
         x = self.in_proj(torch.cat([c, self.embed(last_tokens)], dim=-1))  # [B, N, H]
         x = x[:, :, None, :] + self.pos_query  # [B, N, K, H] prefix broadcast + position queries
-        if a.copy_input:
-            if copy_tok is None:
-                copy_tok = torch.full((B, N, K), -1, dtype=torch.long, device=anchors.device)
-                copy_len = torch.zeros((B, N), dtype=torch.long, device=anchors.device)
-            has = (copy_tok >= 0)[..., None].to(x.dtype)
-            x = x + self.copy_proj(self.embed(copy_tok.clamp_min(0))) * has
-            x = x + self.copy_len(copy_len_bucket(copy_len))[:, :, None, :]
         pos = (anchors[..., None] + 1 + torch.arange(K, device=anchors.device)).reshape(B, N * K)
         mask = block_mask(anchors if ctx_end is None else ctx_end, S, K, causal=True)
         for i, layer in enumerate(self.layers):
@@ -185,34 +154,6 @@ class SpecBlock(BlockDrafter):
         tokens = self.vocab.to_target(out.logits.argmax(-1))
         widths = torch.tensor(self.args.rank_widths, device=tokens.device)[out.rank_logits.argmax(-1)]
         return tokens, widths
-
-
-def copy_len_bucket(m: torch.Tensor) -> torch.Tensor:
-    """Match lengths [..] -> COPY_LEN_BUCKETS buckets: 0 none, 1, 2, 3, 4-7, >= 8."""
-    return torch.bucketize(m, torch.tensor([1, 2, 3, 4, 8], device=m.device), right=True)
-
-
-def context_lookup(h, P: int, max_ngram: int):
-    """The continuation (P target ids, -1 padded) of the longest earlier match (up to max_ngram tokens,
-    the latest occurrence of that length) of the suffix of context h (1-D int array, h[-1] the token
-    the block starts after), and the match length (0: h[-1] never occurred before)."""
-    import numpy as np
-
-    ends = np.flatnonzero(h[:-1] == h[-1])  # earlier positions holding the last token
-    m, best = 0, -1
-    for n in range(1, max_ngram + 1):
-        if not len(ends):
-            break
-        best, m = int(ends[-1]), n
-        if n == max_ngram:
-            break
-        ends = ends[ends - n >= 0]
-        ends = ends[h[ends - n] == h[len(h) - 1 - n]]
-    cand = np.full(P, -1, np.int64)
-    if best >= 0:
-        c = h[best + 1:best + 1 + P]
-        cand[:len(c)] = c
-    return cand, m
 
 
 def rank_bucket_labels(logits: torch.Tensor, labels: torch.Tensor, widths) -> torch.Tensor:

@@ -75,9 +75,6 @@ class TrainConfig:
     anchor_input: bool = _opt(False, "experimental: every block row also reads the anchor's conditioning "
                                      "(with --init: added, zero-initialised); torch only, not exportable yet",
                               DBLAST)
-    copy_input: bool = _opt(False, "experimental: each block position also reads the context lookup's proposal "
-                                   "and match length (with --init: added, zero-initialised); torch only, not "
-                                   "exportable yet", SPECBLOCK)
     loss: str = _opt("nll", "nll | al (acceptance-length surrogate)", DBLAST)
     nll_weight: float = _opt(0.1, "--loss al: NLL kept beside the AL surrogate (stabilises the start)", DBLAST)
     tau: float = _opt(1e-3, "--loss al: truncation threshold of the surrogate", DBLAST)
@@ -144,10 +141,6 @@ def check_config(c: TrainConfig) -> None:
         raise BlockspecError(f"--repick-size {c.repick_size}: expected at least 1 (0: the --init drafter's own)")
     if c.qk_norm and c.method != "dblast":
         raise BlockspecError(f"--qk-norm: a DBlast option (upstream dflash's attention), not {c.method}'s")
-    if c.copy_input and c.method != "specblock":
-        raise BlockspecError(f"--copy-input: an experiment on SpecBlock, not {c.method}")
-    if c.copy_input and c.cross_block_weight:
-        raise BlockspecError("--copy-input with --cross-block-weight: the chained block gets no lookup input yet")
     if c.cross_block_weight:
         if c.method != "specblock":
             raise BlockspecError(f"--cross-block-weight: cross-block training is SpecBlock's, not {c.method}'s")
@@ -187,7 +180,7 @@ def make_model_args(c: TrainConfig, target_args) -> dict:
         vocab_size=target_args.vocab_size, draft_vocab_size=c.draft_vocab_size,
         target_layers=list(c.target_layers or d["target_layers"]), target_dim=target_args.dim,
         block_size=c.block_size or d["block_size"], n_categories=c.n_categories, qk_norm=c.qk_norm,
-        anchor_input=c.anchor_input, copy_input=c.copy_input, norm_eps=target_args.norm_eps,
+        anchor_input=c.anchor_input, norm_eps=target_args.norm_eps,
     )
 
 
@@ -198,10 +191,9 @@ class Batches:
     """Random blocks from a feature source (data.CachedFeatures or data.OnlineFeatures); the last
     `heldout_frac` of sequences is held out."""
 
-    def __init__(self, source, n_predict: int, heldout_frac: float, seed: int, copy_ngram: int = 0):
+    def __init__(self, source, n_predict: int, heldout_frac: float, seed: int):
         self.src = source
         self.P = n_predict
-        self.copy_ngram = copy_ngram  # > 0: batches carry copy_tok / copy_len (SpecBlock's copy_input)
         n = len(source.lengths)
         n_held = max(1, int(round(n * heldout_frac))) if n > 1 else 0
         self.split = {"train": np.arange(0, n - n_held), "heldout": np.arange(n - n_held, n)}
@@ -279,25 +271,7 @@ class Batches:
             top_ids=torch.from_numpy(d["top_ids"][r, pos_c]).long(),
             top_logp=torch.from_numpy(d["top_logp"][r, pos_c].astype(np.float32)),
         )
-        if self.copy_ngram:
-            from .specblock import context_lookup
-
-            cand = np.full(anc.shape + (self.P,), -1, np.int64)
-            mlen = np.zeros(anc.shape, np.int64)
-            for i, n in np.ndindex(anc.shape):
-                cand[i, n], mlen[i, n] = context_lookup(d["tokens"][i, :anc[i, n] + 2], self.P, self.copy_ngram)
-            out.update(copy_tok=torch.from_numpy(cand), copy_len=torch.from_numpy(mlen))
         return out
-
-
-def copy_ngram(model) -> int:
-    """The lookup length a drafter's batches need (0: it reads no copy input)."""
-    return model.args.copy_ngram if getattr(model.args, "copy_input", False) else 0
-
-
-def copy_args(b: dict) -> dict:
-    """The copy-input keyword arguments of a batch (none where it carries none)."""
-    return {k: b[k] for k in ("copy_tok", "copy_len") if k in b}
 
 
 def block_view(b: dict, start: int, P: int) -> dict:
@@ -321,7 +295,7 @@ def accepted_lengths(draft: "torch.Tensor", labels, data_next, valid):  # noqa: 
 
 def draft_greedy(model, b):
     """Greedy block (target ids) [B, N, P]; DBlast uses its most likely category."""
-    out = model(b["feats"], b["anchors"], b["last"], **copy_args(b))
+    out = model(b["feats"], b["anchors"], b["last"])
     if model.args.model_type == "dblast":
         z = out.prior_logits.argmax(-1)  # [B, N]
         logits = out.logits.gather(2, z[:, :, None, None, None].expand(-1, -1, 1, *out.logits.shape[3:]))[:, :, 0]
@@ -418,7 +392,7 @@ def loss_terms(model, b, c: TrainConfig):
     b1 = block_view(b, 0, P)
     parts = {}
     if a.model_type == "specblock":
-        out = model(b1["feats"], b1["anchors"], b1["last"], **copy_args(b1))
+        out = model(b1["feats"], b1["anchors"], b1["last"])
         t = specblock_terms(model, out, b, c)
         parts["ce"] = t["ce"]
         parts["rank"] = c.rank_weight * t["rank"]
@@ -516,7 +490,7 @@ def heldout_blocks(drafter: str, data: str, target_path: str, n_batches: int):
     model.eval()
     P = model.args.n_predict
     source = data_mod.open_feature_cache(data, list(model.args.target_layers))
-    split = Batches(source, P, 1.0 if source.meta.get("eval_set") else 0.1, seed=0, copy_ngram=copy_ngram(model))
+    split = Batches(source, P, 1.0 if source.meta.get("eval_set") else 0.1, seed=0)
     split.require_heldout(data)
     kept = {}
     rows_of = source.rows
@@ -604,8 +578,6 @@ def train(c: TrainConfig, target=None, progress: bool = True, source=None) -> di
             model.grow_layers(c.n_layer)
         if c.anchor_input and not getattr(model.args, "anchor_input", True):
             model.add_anchor_input()
-        if c.copy_input and not getattr(model.args, "copy_input", True):
-            model.add_copy_input()
         if c.repick_size and c.repick_size != model.args.draft_vocab_size:
             if not model.args.draft_vocab_size:
                 raise BlockspecError(f"--repick-size: --init {c.init} shares the target's head (no draft vocabulary)")
@@ -656,7 +628,7 @@ def train(c: TrainConfig, target=None, progress: bool = True, source=None) -> di
         opt.load_state_dict(st["optimizer"])
         step, history = prev["step"], prev.get("history", [])
         print(f"resumed from {out} at step {step}")
-    batches = Batches(source, model.args.n_predict, c.heldout_frac, c.seed + step, copy_ngram(model))
+    batches = Batches(source, model.args.n_predict, c.heldout_frac, c.seed + step)
     batches.require_heldout(c.data)
     span = cross_block_shift(c, model.args.n_predict) + model.args.n_predict
     model.train()
@@ -734,7 +706,7 @@ def evaluate_drafter(drafter: str, data: str, target_path: str, n_batches: int =
     c = TrainConfig(method=a.model_type, batch_size=batch_size, anchors_per_seq=anchors, eval_batches=n_batches)
     if source.meta.get("eval_set"):  # evaluation prompts: every one is held out
         heldout_frac = 1.0
-    batches = Batches(source, a.n_predict, heldout_frac, seed=0, copy_ngram=copy_ngram(model))
+    batches = Batches(source, a.n_predict, heldout_frac, seed=0)
     batches.require_heldout(data)
     out = dict(drafter=str(drafter), **_estimate_summary(estimate_acceptance(model, batches, c)),
                heldout_prompts=len(batches.split["heldout"]))

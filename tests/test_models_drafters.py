@@ -243,48 +243,6 @@ def test_dblast_anchor_input_starts_as_it_was_then_learns(tmp_path):
     assert not (tmp_path / "d.gguf").exists()
 
 
-def test_specblock_copy_input_starts_as_it_was_then_learns(tmp_path):
-    """--copy-input on a trained SpecBlock: the zero-initialised path leaves its drafts unchanged, the
-    proposal changes them once trained, its shape round-trips through its args, and a GGUF export refuses
-    it in one line."""
-    from blockspec.converters.drafter import convert_drafter
-    from blockspec.runtime.errors import BlockspecError
-
-    m = make("specblock")
-    feats = torch.randn(1, 10, len(m.args.target_layers) * TD)
-    anchors, last = torch.tensor([[2, 7]]), torch.randint(0, V, (1, 2))
-    copy_tok, copy_len = torch.tensor([[[5, 6, -1, -1], [1, 2, 3, 4]]]), torch.tensor([[2, 9]])
-    before = m(feats, anchors, last).logits
-    m.add_copy_input()
-    out = m(feats, anchors, last, copy_tok=copy_tok, copy_len=copy_len).logits
-    torch.testing.assert_close(out, before, atol=1e-6, rtol=1e-6)
-    out.float().square().mean().backward()
-    assert m.copy_proj.weight.grad.abs().sum() > 0 and m.copy_len.weight.grad.abs().sum() > 0
-    m.copy_proj.weight.data.normal_(0.0, 0.2)
-    assert not torch.allclose(m(feats, anchors, last, copy_tok=copy_tok, copy_len=copy_len).logits, before)
-    m2 = build_model(dataclasses.asdict(m.args))
-    m2.load_state_dict(m.state_dict())
-    with pytest.raises(BlockspecError, match="copy-input"):
-        convert_drafter(m, tmp_path / "d.gguf", "f16", target=tmp_path / "none.gguf")
-    assert not (tmp_path / "d.gguf").exists()
-
-
-def test_context_lookup_takes_the_longest_then_latest_match():
-    import numpy as np
-
-    from blockspec.models.specblock import context_lookup
-
-    h = np.array([7, 1, 2, 3, 9, 2, 3, 8, 8, 1, 2, 3])  # suffix 1 2 3: matched 3 long at 1..3
-    cand, m = context_lookup(h, 3, 8)
-    assert m == 3 and cand.tolist() == [9, 2, 3]
-    cand, m = context_lookup(h[:7], 3, 8)  # suffix 2 3: the latest 2-token match (at 2..3) over none longer
-    assert m == 2 and cand.tolist() == [9, 2, 3]
-    cand, m = context_lookup(np.array([4, 5, 6]), 2, 8)
-    assert m == 0 and cand.tolist() == [-1, -1]
-    cand, m = context_lookup(np.array([5, 6, 5]), 4, 1)  # the continuation stops at the context's end
-    assert m == 1 and cand.tolist() == [6, 5, -1, -1]
-
-
 def test_tau_by_block_reads_the_accepted_prefix_histogram():
     from blockspec.models.train import tau_by_block
 

@@ -100,28 +100,6 @@ def test_overfit_checkpoint_resume(tiny, tmp_path, method, extra):
     del before, model, tuned
 
 
-def test_copy_input_fine_tune_round_trips(tiny, tmp_path):
-    """--copy-input on an --init SpecBlock: the batches carry the lookup's proposals, the run saves a
-    copy-input drafter that reloads, and the option is refused where it cannot apply."""
-    from blockspec.models.train import Batches, copy_ngram
-
-    path, target, cache = tiny
-    base = TrainConfig(method="specblock", target=str(path), out=str(tmp_path / "base"), data=str(cache), n_layer=1,
-                       draft_vocab_size=0, steps=3, batch_size=2, anchors_per_seq=4, eval_every=3, eval_batches=1,
-                       save_every=3, log_every=1000, heldout_frac=0.0, target_layers=[1, 3])
-    train(base, target=target, progress=False)
-    cfg = TrainConfig(**{**base.__dict__, "out": str(tmp_path / "copy"), "init": str(tmp_path / "base"),
-                         "copy_input": True})
-    train(cfg, target=target, progress=False)
-    model, meta = load_drafter(tmp_path / "copy", target)
-    assert meta["model_args"]["copy_input"] and copy_ngram(model) == 8
-    b = Batches(data.open_feature_cache(str(cache), [1, 3]), 4, 0.0, 0, copy_ngram(model)).get_batch("train", 2, 4)
-    assert b["copy_tok"].shape == (2, 4, 4) and (b["copy_len"] > 0).any()  # the phrases repeat
-    for bad, msg in ((dict(method="dblast"), "SpecBlock"), (dict(cross_block_weight=0.5), "chained block")):
-        with pytest.raises(BlockspecError, match=msg):
-            train(TrainConfig(**{**cfg.__dict__, **bad}), target=target, progress=False)
-
-
 def test_no_target_features_baseline_is_worse(tiny, tmp_path):
     path, target, cache = tiny
     common = dict(method="specblock", target=str(path), data=str(cache), n_layer=1, draft_vocab_size=0,
