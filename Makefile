@@ -837,10 +837,14 @@ train-specblock-s22: train-data-s16 train-data-s17 $(S21A_GGUF)
 train-specblock-s22a: train-specblock-s22 $(S21A_GGUF)
 	$(call average_with_start,$(S21A_GGUF),specblock-s22)
 
-# Stage 23 (prepared in the thirty-first session, not yet run): 21a fine-tuned on fresh answers, stage 18's second
-# questions (finish them first: `make -o setup train-data-s18`) with stage 17's, then averaged with 21a. Stage 22 showed
-# that more steps on the answers 21a already saw do not carry over to the bench; stages 16-18 together may not fit in
-# 24 GiB, so stage 16 is left out.
+# Stage 23 (prepared in the thirty-first session, run in the thirty-second): 21a fine-tuned on fresh answers, stage
+# 18's second questions with stage 17's, then averaged with 21a. Stage 22 showed that more steps on the answers 21a
+# already saw do not carry over to the bench; stages 16-18 together may not fit in 24 GiB, so stage 16 is left out.
+# As run: `make -o setup -o train-data-s17 -o train-data-s18 train-specblock-s23a`, stage 18 as its worker 0 had left
+# it (498k answer tokens) plus two worker-1 shards; 1,800 steps in 68 min, one thread, beside other jobs; held-out
+# 1.060 / 1.115 / 1.133 / 1.184 / 1.194 at 400-1,800 (these caches' greedy tenths). Evaluation set tau: 21a 2.178,
+# stage 23 alone 2.159, 23a 2.198. Bench, MT-Bench and HumanEval prompts 1-60 of each, T = 0
+# (smollm2-s23-bench120): 21a 1.976, 23a 1.991, passes accepting 54.1% / 54.5%, 0.854x / 0.861x: shipped.
 S23_SPECBLOCK_STEPS ?= 1800
 .PHONY: train-specblock-s23 train-specblock-s23a
 train-specblock-s23: train-data-s17 train-data-s18 $(S21A_GGUF)
@@ -848,9 +852,13 @@ train-specblock-s23: train-data-s17 train-data-s18 $(S21A_GGUF)
 train-specblock-s23a: train-specblock-s23 $(S21A_GGUF)
 	$(call average_with_start,$(S21A_GGUF),specblock-s23)
 
-drafters: train-specblock-s21a train-dblast-s13a  # the shipped SpecBlock is stage 21a, the shipped DBlast its stage 13a
+S23A_GGUF = $(TRAIN_DIR)/specblock-s23a-ad8bc00.q8_0.gguf  # the shipped SpecBlock, from git: the start of the next stage
+$(S23A_GGUF):
+	$(call git_gguf,ad8bc00,specblock)
+
+drafters: train-specblock-s23a train-dblast-s13a  # the shipped SpecBlock is stage 23a, the shipped DBlast its stage 13a
 	mkdir -p $(DRAFTERS_DIR)
-	for d in specblock-s21a dblast-s13a; do \
+	for d in specblock-s23a dblast-s13a; do \
 		$(VENV)/bin/blockspec convert drafter $(TRAIN_DIR)/$$d $(DRAFTERS_DIR)/smollm2-135m-$${d%-*}.q8_0.gguf \
 			--outtype q8_0 --target $(SMOLLM2) || exit 1; done
 
