@@ -852,6 +852,18 @@ train-specblock-s23: train-data-s17 train-data-s18 $(S21A_GGUF)
 train-specblock-s23a: train-specblock-s23 $(S21A_GGUF)
 	$(call average_with_start,$(S21A_GGUF),specblock-s23)
 
+# DBlast stage 16 (started in the thirty-second session): the shipped 13a on answers it has not seen, stages 17 and 18
+# (its last three stages all trained on stage 16's answers and gained under +0.01 each), then averaged with 13a.
+# Resumable (--save-every 25); judge it as SpecBlock's stages: evaluation set, then 120 bench prompts.
+S16_DBLAST_STEPS ?= 800
+.PHONY: train-dblast-s16 train-dblast-s16a
+train-dblast-s16: train-data-s17 train-data-s18 $(DBLAST_S13A_GGUF)
+	$(TRAIN) $(DBLAST_STAGE) --data $(S17_DATA_DIR),$(S18_DATA_DIR) --eval-every 200 --anchors-per-seq 64 --lr 3e-4 \
+		--warmup 20 --steps $(S16_DBLAST_STEPS) --seed 13 --init $(DBLAST_S13A_GGUF) --out $(TRAIN_DIR)/dblast-s16 \
+		>> $(TRAIN_DIR)/dblast-s16.log 2>&1
+train-dblast-s16a: train-dblast-s16 $(DBLAST_S13A_GGUF)
+	$(call average_with_start,$(DBLAST_S13A_GGUF),dblast-s16)
+
 S23A_GGUF = $(TRAIN_DIR)/specblock-s23a-ad8bc00.q8_0.gguf  # the shipped SpecBlock, from git: the start of the next stage
 $(S23A_GGUF):
 	$(call git_gguf,ad8bc00,specblock)
