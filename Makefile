@@ -854,7 +854,8 @@ train-specblock-s23a: train-specblock-s23 $(S21A_GGUF)
 
 # DBlast stage 16 (started in the thirty-second session): the shipped 13a on answers it has not seen, stages 17 and 18
 # (its last three stages all trained on stage 16's answers and gained under +0.01 each), then averaged with 13a.
-# Resumable (--save-every 25); judge it as SpecBlock's stages: evaluation set, then 120 bench prompts.
+# Resumable (--save-every 25); judge it as SpecBlock's stages: evaluation set, then 120 bench prompts. It holds ~19 GB
+# of features (SpecBlock's stage 23 on the same caches ~11 GB), so nothing else of size runs beside it; ~6.5 s a step.
 S16_DBLAST_STEPS ?= 800
 .PHONY: train-dblast-s16 train-dblast-s16a
 train-dblast-s16: train-data-s17 train-data-s18 $(DBLAST_S13A_GGUF)
