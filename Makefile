@@ -731,9 +731,9 @@ train-specblock-s19: train-data-s16 $(S16A_GGUF)
 train-specblock-s19a: train-specblock-s19 $(S16A_GGUF)
 	$(call average_with_start,$(S16A_GGUF),specblock-s19)
 # stages 12-15: a shipped DBlast fine-tuned on stage 16's answers alone. $(1) steps, $(2) batch seed, $(3) init GGUF,
-# $(4) output name, $(5) eval interval
+# $(4) output name, $(5) eval interval, $(6) caches (default: stage 16's; stage 16 of DBlast reads 17 and 18)
 define dblast_s16_stage
-$(TRAIN) $(DBLAST_STAGE) --data $(S16_DATA_DIR) --eval-every $(5) --anchors-per-seq 64 --lr 3e-4 --warmup 20 \
+$(TRAIN) $(DBLAST_STAGE) --data $(or $(6),$(S16_DATA_DIR)) --eval-every $(5) --anchors-per-seq 64 --lr 3e-4 --warmup 20 \
 	--steps $(1) --seed $(2) --init $(3) --out $(TRAIN_DIR)/$(4) >> $(TRAIN_DIR)/$(4).log 2>&1
 endef
 train-dblast-s12: train-data-s16 $(DBLAST_S11_GGUF)
@@ -859,9 +859,7 @@ train-specblock-s23a: train-specblock-s23 $(S21A_GGUF)
 S16_DBLAST_STEPS ?= 800
 .PHONY: train-dblast-s16 train-dblast-s16a
 train-dblast-s16: train-data-s17 train-data-s18 $(DBLAST_S13A_GGUF)
-	$(TRAIN) $(DBLAST_STAGE) --data $(S17_DATA_DIR),$(S18_DATA_DIR) --eval-every 200 --anchors-per-seq 64 --lr 3e-4 \
-		--warmup 20 --steps $(S16_DBLAST_STEPS) --seed 13 --init $(DBLAST_S13A_GGUF) --out $(TRAIN_DIR)/dblast-s16 \
-		>> $(TRAIN_DIR)/dblast-s16.log 2>&1
+	$(call dblast_s16_stage,$(S16_DBLAST_STEPS),13,$(DBLAST_S13A_GGUF),dblast-s16,200,$(S17_DATA_DIR)$(,)$(S18_DATA_DIR))
 train-dblast-s16a: train-dblast-s16 $(DBLAST_S13A_GGUF)
 	$(call average_with_start,$(DBLAST_S13A_GGUF),dblast-s16)
 

@@ -239,11 +239,12 @@ class Batches:
         self.row_p[split] = self._row_p(self.split[split])
 
     def get_batch(self, split: str, batch_size: int, anchors: int, rng: np.random.Generator | None = None,
-                  span: int | None = None):
+                  span: int | None = None, tokens: bool = False):
         """-> dict of torch tensors: feats [B, S, F], anchors [B, N], last [B, N], labels /
         data_next / valid [B, N, span], top_ids / top_logp [B, N, span, k]. `span` (default: the
         block's P) label positions from anchor+1 on; a longer span carries the cross-block
-        block's labels too, and never changes which rows and anchors are drawn."""
+        block's labels too, and never changes which rows and anchors are drawn. `tokens`: also
+        the rows' whole token sequences, "tokens" [B, S] (numpy; the diagnostic scripts read them)."""
         import torch
 
         rng = rng or self.rng
@@ -271,6 +272,8 @@ class Batches:
             top_ids=torch.from_numpy(d["top_ids"][r, pos_c]).long(),
             top_logp=torch.from_numpy(d["top_logp"][r, pos_c].astype(np.float32)),
         )
+        if tokens:
+            out["tokens"] = d["tokens"]
         return out
 
 
@@ -492,20 +495,11 @@ def heldout_blocks(drafter: str, data: str, target_path: str, n_batches: int):
     source = data_mod.open_feature_cache(data, list(model.args.target_layers))
     split = Batches(source, P, 1.0 if source.meta.get("eval_set") else 0.1, seed=0)
     split.require_heldout(data)
-    kept = {}
-    rows_of = source.rows
-
-    def rows(idx):  # keep the batch's token rows
-        kept.update(d := rows_of(idx))
-        return d
-
-    source.rows = rows
 
     def blocks():
         rng = np.random.default_rng(12345)
         for _ in range(n_batches):
-            b = block_view(split.get_batch("heldout", 8, 16, rng, span=P), 0, P)
-            yield {**b, "tokens": kept["tokens"]}
+            yield block_view(split.get_batch("heldout", 8, 16, rng, span=P, tokens=True), 0, P)
 
     return model, blocks()
 
