@@ -856,6 +856,11 @@ train-specblock-s23a: train-specblock-s23 $(S21A_GGUF)
 # (its last three stages all trained on stage 16's answers and gained under +0.01 each), then averaged with 13a.
 # Resumable (--save-every 25); judge it as SpecBlock's stages: evaluation set, then 120 bench prompts. It holds ~19 GB
 # of features (SpecBlock's stage 23 on the same caches ~11 GB), so nothing else of size runs beside it; ~6.5 s a step.
+# As run (sessions 32-33): `make -o setup -o train-data-s17 -o train-data-s18 train-dblast-s16a`, stage 18 as stage 23
+# saw it; killed at step 444 by the end of session 32 and resumed from its step-425 checkpoint; 800 steps, one thread,
+# ~85 min in all. Held-out 0.450 / 0.481 / 0.493 / 0.503 at 200-800 (these caches' greedy tenths). Evaluation set tau:
+# 13a 1.514, stage 16 alone 1.525, 16a 1.533 (first token 0.389 -> 0.399). Bench, MT-Bench and HumanEval prompts 1-60
+# of each, T = 0 (smollm2-dblast-s16-bench120): 13a 1.50, 16a 1.52, passes accepting 37.9% / 39.1%, 0.62x / 0.63x: shipped.
 S16_DBLAST_STEPS ?= 800
 .PHONY: train-dblast-s16 train-dblast-s16a
 train-dblast-s16: train-data-s17 train-data-s18 $(DBLAST_S13A_GGUF)
@@ -867,9 +872,9 @@ S23A_GGUF = $(TRAIN_DIR)/specblock-s23a-ad8bc00.q8_0.gguf  # the shipped SpecBlo
 $(S23A_GGUF):
 	$(call git_gguf,ad8bc00,specblock)
 
-drafters: train-specblock-s23a train-dblast-s13a  # the shipped SpecBlock is stage 23a, the shipped DBlast its stage 13a
+drafters: train-specblock-s23a train-dblast-s16a  # the shipped SpecBlock is stage 23a, the shipped DBlast its stage 16a
 	mkdir -p $(DRAFTERS_DIR)
-	for d in specblock-s23a dblast-s13a; do \
+	for d in specblock-s23a dblast-s16a; do \
 		$(VENV)/bin/blockspec convert drafter $(TRAIN_DIR)/$$d $(DRAFTERS_DIR)/smollm2-135m-$${d%-*}.q8_0.gguf \
 			--outtype q8_0 --target $(SMOLLM2) || exit 1; done
 
