@@ -871,6 +871,9 @@ train-dblast-s16a: train-dblast-s16 $(DBLAST_S13A_GGUF)
 S23A_GGUF = $(TRAIN_DIR)/specblock-s23a-ad8bc00.q8_0.gguf  # the shipped SpecBlock, from git: the start of the next stage
 $(S23A_GGUF):
 	$(call git_gguf,ad8bc00,specblock)
+DBLAST_S16A_GGUF = $(TRAIN_DIR)/dblast-s16a-7664bb3.q8_0.gguf  # the shipped DBlast, likewise
+$(DBLAST_S16A_GGUF):
+	$(call git_gguf,7664bb3,dblast)
 
 drafters: train-specblock-s23a train-dblast-s16a  # the shipped SpecBlock is stage 23a, the shipped DBlast its stage 16a
 	mkdir -p $(DRAFTERS_DIR)
