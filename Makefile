@@ -875,6 +875,16 @@ DBLAST_S16A_GGUF = $(TRAIN_DIR)/dblast-s16a-7664bb3.q8_0.gguf  # the shipped DBl
 $(DBLAST_S16A_GGUF):
 	$(call git_gguf,7664bb3,dblast)
 
+# Stage 24 (thirty-fourth session): the shipped 23a on stages 17 and 18 again, stage 18 now with worker 1's second
+# questions (23a saw 2 of its shards; 21 at this run's start, the data run still going beside it), a fresh schedule and
+# batch seed, then averaged with 23a. Judged as stage 23: evaluation set, then 120 bench prompts.
+S24_SPECBLOCK_STEPS ?= 1800
+.PHONY: train-specblock-s24 train-specblock-s24a
+train-specblock-s24: train-data-s17 train-data-s18 $(S23A_GGUF)
+	$(call specblock_stage,$(S24_SPECBLOCK_STEPS),18,$(S23A_GGUF),specblock-s24,$(S17_DATA_DIR)$(,)$(S18_DATA_DIR))
+train-specblock-s24a: train-specblock-s24 $(S23A_GGUF)
+	$(call average_with_start,$(S23A_GGUF),specblock-s24)
+
 drafters: train-specblock-s23a train-dblast-s16a  # the shipped SpecBlock is stage 23a, the shipped DBlast its stage 16a
 	mkdir -p $(DRAFTERS_DIR)
 	for d in specblock-s23a dblast-s16a; do \
