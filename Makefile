@@ -885,6 +885,16 @@ train-specblock-s24: train-data-s17 train-data-s18 $(S23A_GGUF)
 train-specblock-s24a: train-specblock-s24 $(S23A_GGUF)
 	$(call average_with_start,$(S23A_GGUF),specblock-s24)
 
+# DBlast stage 17 (thirty-fourth session): the shipped 16a on stages 17 and 18 again, stage 18 now complete (16a saw
+# worker 1's first ~9 shards of it), a fresh batch seed, then averaged with 16a; ~19 GB of features, nothing else of
+# size beside it. Resumable (--save-every 25).
+S17_DBLAST_STEPS ?= 800
+.PHONY: train-dblast-s17 train-dblast-s17a
+train-dblast-s17: train-data-s17 train-data-s18 $(DBLAST_S16A_GGUF)
+	$(call dblast_s16_stage,$(S17_DBLAST_STEPS),14,$(DBLAST_S16A_GGUF),dblast-s17,200,$(S17_DATA_DIR)$(,)$(S18_DATA_DIR))
+train-dblast-s17a: train-dblast-s17 $(DBLAST_S16A_GGUF)
+	$(call average_with_start,$(DBLAST_S16A_GGUF),dblast-s17)
+
 drafters: train-specblock-s23a train-dblast-s16a  # the shipped SpecBlock is stage 23a, the shipped DBlast its stage 16a
 	mkdir -p $(DRAFTERS_DIR)
 	for d in specblock-s23a dblast-s16a; do \
