@@ -878,6 +878,10 @@ $(DBLAST_S16A_GGUF):
 # Stage 24 (thirty-fourth session): the shipped 23a on stages 17 and 18 again, stage 18 now with worker 1's second
 # questions (23a saw 2 of its shards; 21 at this run's start, the data run still going beside it), a fresh schedule and
 # batch seed, then averaged with 23a. Judged as stage 23: evaluation set, then 120 bench prompts.
+# As run: `make -o setup -o train-data-s17 -o train-data-s18 train-specblock-s24a`, 1,800 steps in 68 min, one thread,
+# beside the stage-18 data run's last ~1,370 prompts; held-out 1.081 / 1.115 / 1.176 / 1.203 / 1.231 at 400-1,800
+# (stage 23: 1.194 at its end). Evaluation set tau: 23a 2.198, stage 24 alone 2.157, 24a 2.196 (first token 0.601 /
+# 0.593 / 0.602): no gain, so not benched, not shipped.
 S24_SPECBLOCK_STEPS ?= 1800
 .PHONY: train-specblock-s24 train-specblock-s24a
 train-specblock-s24: train-data-s17 train-data-s18 $(S23A_GGUF)
@@ -885,13 +889,13 @@ train-specblock-s24: train-data-s17 train-data-s18 $(S23A_GGUF)
 train-specblock-s24a: train-specblock-s24 $(S23A_GGUF)
 	$(call average_with_start,$(S23A_GGUF),specblock-s24)
 
-# DBlast stage 17 (thirty-fourth session): the shipped 16a on stages 17 and 18 again, stage 18 now complete (16a saw
-# worker 1's first ~9 shards of it), a fresh batch seed, then averaged with 16a; ~19 GB of features, nothing else of
-# size beside it. Resumable (--save-every 25).
+# DBlast stage 17 (thirty-fourth session): the shipped 16a on stage 18 alone, now complete (16a saw worker 1's first
+# ~9 shards of it, and all of stage 17), a fresh batch seed, then averaged with 16a. Stages 17 and 18 together (22.7 GB
+# of shards) no longer fit in 24 GB: the first try was killed for memory while loading them. Resumable (--save-every 25).
 S17_DBLAST_STEPS ?= 800
 .PHONY: train-dblast-s17 train-dblast-s17a
-train-dblast-s17: train-data-s17 train-data-s18 $(DBLAST_S16A_GGUF)
-	$(call dblast_s16_stage,$(S17_DBLAST_STEPS),14,$(DBLAST_S16A_GGUF),dblast-s17,200,$(S17_DATA_DIR)$(,)$(S18_DATA_DIR))
+train-dblast-s17: train-data-s18 $(DBLAST_S16A_GGUF)
+	$(call dblast_s16_stage,$(S17_DBLAST_STEPS),14,$(DBLAST_S16A_GGUF),dblast-s17,200,$(S18_DATA_DIR))
 train-dblast-s17a: train-dblast-s17 $(DBLAST_S16A_GGUF)
 	$(call average_with_start,$(DBLAST_S16A_GGUF),dblast-s17)
 
