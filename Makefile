@@ -906,6 +906,15 @@ train-dblast-s17: train-data-s18 $(DBLAST_S16A_GGUF)
 train-dblast-s17a: train-dblast-s17 $(DBLAST_S16A_GGUF)
 	$(call average_with_start,$(DBLAST_S16A_GGUF),dblast-s17)
 
+# DBlast at block 16 again (thirty-fourth session): the shipped 16a grown to 16 drafted tokens and trained on stage 18,
+# as `train-dblast-k16` grew stage 10; `train eval` reports tau at blocks 4, 8 and 16 from one run.
+K16B_DBLAST_STEPS ?= 300
+.PHONY: train-dblast-k16b
+train-dblast-k16b: train-data-s18 $(DBLAST_S16A_GGUF)
+	$(TRAIN) $(DBLAST_STAGE) --data $(S18_DATA_DIR) --eval-every 100 --anchors-per-seq 16 --lr 4e-4 --warmup 20 \
+		--steps $(K16B_DBLAST_STEPS) --seed 15 --init $(DBLAST_S16A_GGUF) --block-size 17 \
+		--out $(TRAIN_DIR)/dblast-k16b >> $(TRAIN_DIR)/dblast-k16b.log 2>&1
+
 drafters: train-specblock-s23a train-dblast-s16a  # the shipped SpecBlock is stage 23a, the shipped DBlast its stage 16a
 	mkdir -p $(DRAFTERS_DIR)
 	for d in specblock-s23a dblast-s16a; do \
