@@ -14,7 +14,8 @@
 #      wheel's own libggml*: `test-backend-ops -o BLOCK_SHIFT` compares CUDA0 with the CPU,
 #      then `perf -o BLOCK_SHIFT` times the op on CUDA0;
 #   3. pytest test_build, test_speculative (greedy lossless), test_ggml_drafter and test_ggml_dflash
-#      (SpecBlock and DBlast graphs, categories included, against torch) on the CUDA build;
+#      (SpecBlock and DBlast graphs, categories included, against torch) on the CUDA build, and
+#      test_models_train (drafter training with --device cuda: the step against the CPU's, resume on the CPU);
 #   4. `blockspec bench` plain/ngram/ngram-tree on a few prompts -> $OUT/bench.json.
 # GPU_CHECK_DRY=1 stops `run` after the payload and venv steps (a rehearsal on any machine).
 # Logs: $OUT/gpu_check.log (all steps), $OUT/test-backend-ops.txt, $OUT/pytest.txt, $OUT/bench.json.
@@ -185,12 +186,12 @@ except build.BuildError as e:
         die "test-backend-ops perf -o BLOCK_SHIFT"
     fi
 
-    step "pytest test_build, test_speculative, test_ggml_drafter, test_ggml_dflash on the CUDA build"
+    step "pytest test_build, test_speculative, test_ggml_drafter, test_ggml_dflash, test_models_train on the CUDA build"
     # test_installed_library_is_the_cached_build asserts the CPU build's key by design: deselected
     if ! (cd "$repo" && BLOCKSPEC_THREADS=8 timeout 300 "$PY" -m pytest -q -p no:cacheprovider \
             tests/test_build.py tests/test_speculative.py tests/test_ggml_drafter.py tests/test_ggml_dflash.py \
-            --deselect tests/test_build.py::test_installed_library_is_the_cached_build) 2>&1 | tee "$OUT/pytest.txt"; then
-        die "pytest test_build, test_speculative, test_ggml_drafter, test_ggml_dflash"
+            tests/test_models_train.py --deselect tests/test_build.py::test_installed_library_is_the_cached_build) 2>&1 | tee "$OUT/pytest.txt"; then
+        die "pytest test_build, test_speculative, test_ggml_drafter, test_ggml_dflash, test_models_train"
     fi
 
     step "drafting benchmark (blockspec bench, greedy, block 8)"

@@ -163,14 +163,16 @@ def data_cmd(target, sources, out, layers, **opts):
 @click.option("--target", required=True, type=click.Path(exists=True), help="target GGUF")
 @click.option("--batches", default=32, show_default=True, help="held-out batches of 8 sequences x 16 blocks")
 @click.option("--by-source", is_flag=True, help="also the estimate on each prompt source alone (--batches each)")
-def eval_cmd(drafter, data, target, batches, by_source):
+@click.option("--device", default="auto", show_default=True,
+              help="torch device: auto (cuda when this torch has one, else cpu), cpu, cuda, cuda:N")
+def eval_cmd(drafter, data, target, batches, by_source, device):
     """Held-out acceptance of a drafter on the target's own answers (what greedy serving sees),
     with tau at each smaller block size the drafter can draft."""
     from .data_engine import prompt_source_names
     from .train import evaluate_drafter
 
     click.echo(json.dumps(evaluate_drafter(drafter, data, target, n_batches=batches,
-                                           by_source=prompt_source_names if by_source else None)))
+                                           by_source=prompt_source_names if by_source else None, device=device)))
 
 
 @train.command("average")

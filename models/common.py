@@ -39,7 +39,7 @@ class RMSNorm(nn.Module):
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, base: float, dtype=torch.float32):
     """cos/sin tables for `positions` [..., T] -> two [..., T, head_dim/2] tensors.
     theta_i = pos * base^(-2i/d), the formula llama.cpp's ggml_rope uses (no scaling)."""
-    inv = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    inv = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device) / head_dim)
     ang = positions.to(torch.float64)[..., None] * inv  # [..., T, D/2]
     return ang.cos().to(dtype), ang.sin().to(dtype)
 
@@ -91,3 +91,26 @@ def default_layers(n_layer: int, n: int) -> list[int]:
     if n == 1:
         return [n_layer - 1]
     return sorted({round(1 + i * (n_layer - 2) / (n - 1)) for i in range(n)})
+
+
+def resolve_device(name: str = "auto") -> "torch.device":
+    """The torch device `--device` names: auto = the first CUDA (or ROCm) device when this torch has
+    one, else the CPU. BlockspecError, one line, for a device this torch cannot use."""
+    from blockspec.runtime.errors import BlockspecError
+
+    name = (name or "auto").strip().lower()
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise BlockspecError(f"--device {name!r}: not a device (auto, cpu, cuda, cuda:N)") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise BlockspecError(f"--device {name}: this torch ({torch.__version__}) sees no CUDA device; install "
+                                 f"a CUDA build of torch (README, GPU builds) or use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise BlockspecError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif dev.type != "cpu":
+        raise BlockspecError(f"--device {name}: drafters train on cpu or cuda (ROCm builds of torch count as cuda)")
+    return dev

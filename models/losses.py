@@ -130,8 +130,8 @@ def acceptance_surrogate(draft_logp: torch.Tensor, target_logp: torch.Tensor, va
     # a row whose first label is undraftable sits at the -1e4 floor with no gradient: it adds 0, not
     # 1e4, so the logged loss stays readable (the divisor, hence every gradient, is unchanged)
     logE = logE.masked_fill(logE < -1e3, 0.0)
-    has = valid.any(-1)
-    return -(logE[has]).mean() if has.any() else logE.sum() * 0.0
+    has = valid.any(-1)  # the mean over rows with a label, without a host sync (0 when none has one)
+    return -logE.masked_fill(~has, 0.0).sum() / has.sum().clamp_min(1)
 
 
 def expected_acceptance(draft_logp, target_logp, valid) -> torch.Tensor:

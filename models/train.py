@@ -102,6 +102,8 @@ class TrainConfig:
     log_every: int = _opt(20, "steps between log lines")
     seed: int = _opt(0, "seed of the split, the batches and the init")
     threads: int = _opt(0, "torch threads (0: torch's default)")
+    device: str = _opt("auto", "torch device of the drafter: auto (cuda when this torch has one, else cpu), "
+                               "cpu, cuda, cuda:N; the feature cache stays in host memory")
     resume: bool = _opt(True, "continue from the checkpoint in --out if there is one")
     init: str = _opt("", "fine-tune: start from this drafter (checkpoint dir or GGUF), its shape, draft "
                          "vocabulary and weights (the size options are then ignored, but --block-size "
@@ -277,6 +279,17 @@ class Batches:
         return out
 
 
+def to_device(b: dict, device) -> dict:
+    """The batch's tensors on `device` (numpy entries, such as "tokens", stay on the host)."""
+    import torch
+
+    return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in b.items()}
+
+
+def model_device(model):
+    return next(model.parameters()).device
+
+
 def block_view(b: dict, start: int, P: int) -> dict:
     """The batch as seen by the block whose labels are span positions start .. start+P-1."""
     return {k: (v[:, :, start:start + P] if k in SPAN_KEYS else v) for k, v in b.items()}
@@ -327,11 +340,12 @@ def estimate_acceptance(model, batches: Batches, c: TrainConfig, n_batches: int 
     acc, match, n = 0.0, None, 0
     hist = torch.zeros(P + 1, dtype=torch.long)  # blocks by accepted prefix length 0..P
     xacc, xmatch, xn = 0.0, torch.zeros(P), 0
+    dev = model_device(model)
     was = model.training
     model.eval()
     with torch.no_grad():
         for _ in range(n_batches or c.eval_batches):
-            bs = batches.get_batch("heldout", c.batch_size, c.anchors_per_seq, rng, span=m + P)
+            bs = to_device(batches.get_batch("heldout", c.batch_size, c.anchors_per_seq, rng, span=m + P), dev)
             if c.no_target_features:
                 bs["feats"].zero_()
             b = block_view(bs, 0, P)
@@ -339,8 +353,8 @@ def estimate_acceptance(model, batches: Batches, c: TrainConfig, n_batches: int 
             a = accepted_lengths(draft, b["labels"], b["data_next"], b["valid"])
             ok = b["valid"][..., 0]
             acc += float(a[ok].sum())
-            hist += torch.bincount(a[ok].reshape(-1), minlength=P + 1)
-            mt = ((draft == b["labels"]) & b["valid"]).float().sum((0, 1))
+            hist += torch.bincount(a[ok].reshape(-1), minlength=P + 1).cpu()
+            mt = ((draft == b["labels"]) & b["valid"]).float().sum((0, 1)).cpu()
             match = mt if match is None else match + mt
             n += int(ok.sum())
             if m:
@@ -348,7 +362,7 @@ def estimate_acceptance(model, batches: Batches, c: TrainConfig, n_batches: int 
                 draft2 = model.vocab.to_target(cross_block_forward(model, bs, out, m).logits.argmax(-1))
                 ok2 = b2["valid"][..., 0]
                 xacc += float(accepted_lengths(draft2, b2["labels"], b2["data_next"], b2["valid"])[ok2].sum())
-                xmatch += ((draft2 == b2["labels"]) & b2["valid"]).float().sum((0, 1))
+                xmatch += ((draft2 == b2["labels"]) & b2["valid"]).float().sum((0, 1)).cpu()
                 xn += int(ok2.sum())
     model.train(was)
     res = dict(accept=acc / max(1, n), blocks=n, match_per_pos=(match / max(1, n)).tolist(),
@@ -449,7 +463,7 @@ def save_checkpoint(out: Path, model, opt, c: TrainConfig, step: int, history: l
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     save_file(state, str(out / "drafter.safetensors.tmp"))
     os.replace(out / "drafter.safetensors.tmp", out / "drafter.safetensors")
     torch.save({"optimizer": opt.state_dict(), "step": step}, out / "optimizer.pt.tmp")
@@ -546,9 +560,11 @@ def train(c: TrainConfig, target=None, progress: bool = True, source=None) -> di
     from tqdm import tqdm
 
     from . import build_model
+    from .common import resolve_device
     from .target import load_target
 
     check_config(c if source is None else dataclasses.replace(c, features=source.kind, data=c.data or "-"))
+    device = resolve_device(c.device)  # before anything loads: a device this torch lacks fails at once
     if c.threads:
         torch.set_num_threads(c.threads)
     torch.manual_seed(c.seed)
@@ -610,6 +626,9 @@ def train(c: TrainConfig, target=None, progress: bool = True, source=None) -> di
         pos = np.arange(feats.shape[1])
         model.fit_feature_scale(torch.from_numpy(
             feats[(pos[None] >= 1) & (pos[None] < lengths[:, None])].astype(np.float32)))
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32 matmuls: training, not the bit-exact runtime
+    model.to(device)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=c.lr,
                             weight_decay=c.weight_decay, betas=(0.9, 0.95))
     step, history = 0, []
@@ -618,7 +637,7 @@ def train(c: TrainConfig, target=None, progress: bool = True, source=None) -> di
 
         prev = json.loads((out / "drafter.json").read_text())
         model.load_state_dict(load_file(str(out / "drafter.safetensors")))
-        st = torch.load(out / "optimizer.pt", weights_only=False)
+        st = torch.load(out / "optimizer.pt", weights_only=False, map_location="cpu")  # moved to the params' device
         opt.load_state_dict(st["optimizer"])
         step, history = prev["step"], prev.get("history", [])
         print(f"resumed from {out} at step {step}")
@@ -626,7 +645,7 @@ def train(c: TrainConfig, target=None, progress: bool = True, source=None) -> di
     batches.require_heldout(c.data)
     span = cross_block_shift(c, model.args.n_predict) + model.args.n_predict
     model.train()
-    bar = tqdm(total=c.steps, initial=step, desc=f"train {c.method}", disable=not progress)
+    bar = tqdm(total=c.steps, initial=step, desc=f"train {c.method} ({device.type})", disable=not progress)
     t0, tok, t_data = time.time(), 0, 0.0
     last_eval = None
     while step < c.steps:
@@ -634,7 +653,7 @@ def train(c: TrainConfig, target=None, progress: bool = True, source=None) -> di
         for g in opt.param_groups:
             g["lr"] = lr
         td = time.time()
-        b = batches.get_batch("train", c.batch_size, c.anchors_per_seq, span=span)
+        b = to_device(batches.get_batch("train", c.batch_size, c.anchors_per_seq, span=span), device)
         t_data += time.time() - td
         if c.no_target_features:
             b["feats"].zero_()
@@ -678,7 +697,7 @@ def tau_by_block(hist: Sequence[int]) -> dict[int, float]:
 
 def evaluate_drafter(drafter: str, data: str, target_path: str, n_batches: int = 32, batch_size: int = 8,
                      anchors: int = 16, heldout_frac: float = 0.1, target=None,
-                     by_source: Callable[[Sequence[str], int], list[str]] | None = None) -> dict:
+                     by_source: Callable[[Sequence[str], int], list[str]] | None = None, device: str = "auto") -> dict:
     """The held-out estimate of a drafter (checkpoint dir or GGUF) on a self-distilled cache: the
     same blocks `train` evaluates (held-out prompts' greedy answers, anchored in the answers, every
     answer token weighted alike). accept = expected accepted prefix of a greedy block, so the
@@ -688,11 +707,14 @@ def evaluate_drafter(drafter: str, data: str, target_path: str, n_batches: int =
     from blockspec.runtime.errors import BlockspecError
 
     from . import data as data_mod
+    from .common import resolve_device
     from .target import load_target
 
+    dev = resolve_device(device)
     cache_metas(data)
     target = target or load_target(target_path)
     model, meta = load_drafter(drafter, target)
+    model.to(dev)
     a = model.args
     source = data_mod.open_feature_cache(data, list(a.target_layers))
     if getattr(source, "answer_start", None) is None:

@@ -189,3 +189,86 @@ def test_repick_vocab_keeps_trained_rows(tiny, tmp_path):
             train(TrainConfig(**{**cfg.__dict__, "method": method, "out": str(tmp_path / "d"), "block_size": bad}),
                   target=target, progress=False)
         assert not (tmp_path / "d").exists()
+
+
+def _one_batch(tiny, method, extra=()):
+    from blockspec.models import build_model
+    from blockspec.models.train import Batches, make_model_args
+
+    path, target, cache = tiny
+    cfg = TrainConfig(method=method, target=str(path), data=str(cache), n_layer=1, draft_vocab_size=16,
+                      batch_size=2, anchors_per_seq=4, target_layers=[1, 3], heldout_frac=0.0, **dict(extra))
+    torch.manual_seed(0)
+    model = build_model(make_model_args(cfg, target.args))
+    model.bind_target(target.tok_embeddings.weight, target.head_weight)
+    model.vocab.set_vocab(torch.arange(3, 19), target.head_weight)
+    source = data.open_feature_cache(str(cache), [1, 3])
+    span = 2 * model.args.n_predict if cfg.cross_block_weight else model.args.n_predict
+    return cfg, model, Batches(source, model.args.n_predict, 0.0, seed=0).get_batch("train", 2, 4, span=span)
+
+
+@pytest.mark.parametrize("method,extra", [("specblock", dict(distill_weight=0.5, cross_block_weight=0.5)),
+                                          ("dblast", dict(n_categories=3, loss="al"))])
+def test_training_step_stays_on_the_drafter_device(tiny, method, extra):
+    """A training step (forward, every loss term, backward) on torch's meta device, which runs
+    shapes only and refuses to mix devices: every tensor the step creates follows the drafter and
+    the batch, so `--device cuda` has no host tensor left in the step."""
+    from blockspec.models.train import loss_terms, to_device
+
+    cfg, model, b = _one_batch(tiny, method, extra)
+    model.to("meta")
+    parts, _ = loss_terms(model, to_device(b, "meta"), cfg)
+    loss = sum(parts.values())
+    want = {"ce", "kd", "xb_ce"} if method == "specblock" else {"al", "nll"}
+    assert loss.device.type == "meta" and want <= set(parts), parts
+    loss.backward()
+    assert all(p.grad is not None and p.grad.device.type == "meta" for p in model.parameters() if p.requires_grad)
+
+
+def test_device_option_errors():
+    from blockspec.models.common import resolve_device
+
+    assert resolve_device("cpu").type == "cpu"
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(BlockspecError, match="--device 'gpu0': not a device"):
+        resolve_device("gpu0")
+    with pytest.raises(BlockspecError, match="--device mps: drafters train on cpu or cuda"):
+        resolve_device("mps")
+    if not torch.cuda.is_available():
+        with pytest.raises(BlockspecError, match="--device cuda: this torch .* sees no CUDA device"):
+            resolve_device("cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA (or ROCm) build of torch and a GPU")
+@pytest.mark.parametrize("method,extra", [("specblock", dict(distill_weight=0.5, cross_block_weight=0.5)),
+                                          ("dblast", dict(n_categories=3, loss="al"))])
+def test_cuda_step_matches_cpu_and_checkpoints_move(tiny, tmp_path, method, extra):
+    """On a GPU: the same step's loss terms and gradients as on the CPU (fp32; TF32 off here), and a
+    run trained on the GPU resumes and loads on the CPU."""
+    import copy
+
+    from blockspec.models.train import loss_terms, to_device
+
+    cfg, model, b = _one_batch(tiny, method, extra)
+    gpu = copy.deepcopy(model).to("cuda")
+    prec = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        p_cpu, _ = loss_terms(model, b, cfg)
+        p_gpu, _ = loss_terms(gpu, to_device(b, "cuda"), cfg)
+        sum(p_cpu.values()).backward()
+        sum(p_gpu.values()).backward()
+    finally:
+        torch.set_float32_matmul_precision(prec)
+    for k in p_cpu:
+        torch.testing.assert_close(p_gpu[k].cpu(), p_cpu[k], rtol=1e-3, atol=1e-4)
+    for (name, p), q in zip(model.named_parameters(), gpu.parameters()):
+        if p.grad is not None:
+            torch.testing.assert_close(q.grad.cpu(), p.grad, rtol=1e-2, atol=1e-5, msg=name)
+    path, target, cache = tiny
+    run = TrainConfig(**{**cfg.__dict__, "out": str(tmp_path / "g"), "steps": 10, "warmup": 2, "eval_every": 10,
+                         "eval_batches": 2, "save_every": 5, "log_every": 1000, "device": "cuda"})
+    train(run, target=target, progress=False)
+    train(TrainConfig(**{**run.__dict__, "steps": 12, "device": "cpu"}), target=target, progress=False)
+    assert json.loads((tmp_path / "g" / "drafter.json").read_text())["step"] == 12
+    load_drafter(tmp_path / "g", target)
