@@ -17,6 +17,7 @@ deterministic) and shows a progress bar.
 
 Feature sources (what the trainer's `get_batch` reads; both give the same arrays for a set of rows):
   CachedFeatures  the cache above, loaded into memory;
+  RaggedFeatures  a self-distilled cache (`train data`), memory-mapped;
   OnlineFeatures  token sequences only; the torch target computes each batch's features when it is
                   drawn, with the same `target_features` the cache builder runs. No disk and no
                   build step, but every drawn sequence is recomputed each time: on SmolLM2 (batch
@@ -473,41 +474,69 @@ class CachedFeatures:
         return np.bincount(d["greedy"][d["tokens"] != 0].ravel(), minlength=vocab_size)
 
 
+_SAFETENSORS_DTYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16,
+                       "I32": np.int32, "I64": np.int64, "U8": np.uint8, "BOOL": np.bool_}
+
+
+def map_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """The tensors of a safetensors file as read-only memory maps: nothing is read until used, and
+    the pages read stay in the OS's cache, which evicts them under memory pressure."""
+    import struct
+
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"{path}: tensor {name} has dtype {info['dtype']}, which the feature cache never writes")
+        dt = np.dtype(_SAFETENSORS_DTYPES[info["dtype"]]).newbyteorder("<")
+        begin, end = info["data_offsets"]
+        shape = tuple(info["shape"])
+        out[name] = (np.memmap(path, dtype=dt, mode="r", offset=8 + n + begin, shape=shape) if end > begin
+                     else np.zeros(shape, dt))
+    return out
+
+
 class RaggedFeatures:
-    """A self-distilled cache (models/data_engine.py, `format: ragged`): sequences packed end to
-    end in memory, padded per batch. `answer_start` marks where each target answer begins: blocks
+    """A self-distilled cache (models/data_engine.py, `format: ragged`): each shard's sequences
+    packed end to end, padded per batch. `answer_start` marks where each target answer begins: blocks
     are anchored in answers only (what serving drafts), and the draft vocabulary counts the
-    target's answer tokens."""
+    target's answer tokens. The shards are memory-mapped, not loaded: a batch reads its rows' pages
+    and the OS keeps what fits, so caches larger than the machine's memory train together (five taps
+    of SmolLM2 are 5.8 KB a token: 4M tokens are 23 GB)."""
 
     kind = "cache"
 
-    def __init__(self, meta: dict, flat: dict, lengths: np.ndarray, answer_start: np.ndarray,
-                 prompt_idx: np.ndarray | None = None, sampled: np.ndarray | None = None):
-        self.meta, self.flat = meta, flat
+    def __init__(self, meta: dict, shards: list[dict], cols: np.ndarray | None, lengths: np.ndarray,
+                 answer_start: np.ndarray, prompt_idx: np.ndarray | None = None, sampled: np.ndarray | None = None,
+                 shard_of: np.ndarray | None = None):
+        self.meta, self.shards, self.cols = meta, shards, cols
         self.lengths = lengths.astype(np.int64)
         self.answer_start = answer_start.astype(np.int64)
         # the prompt each sequence answers: the held-out split is chosen by it, so it stays the
         # same prompts while the cache grows
         self.prompt_idx = np.arange(len(lengths)) if prompt_idx is None else prompt_idx.astype(np.int64)
         self.sampled = np.zeros(len(lengths), bool) if sampled is None else sampled.astype(bool)
-        self.offsets = np.concatenate([[0], np.cumsum(self.lengths)[:-1]]).astype(np.int64)
+        # sequence i lives in shard shard_of[i], from row start[i] of that shard's packed arrays
+        self.shard_of = np.zeros(len(lengths), np.int64) if shard_of is None else shard_of.astype(np.int64)
+        self.start = np.zeros(len(lengths), np.int64)
+        for s in np.unique(self.shard_of):
+            sel = np.flatnonzero(self.shard_of == s)
+            self.start[sel] = np.cumsum(self.lengths[sel]) - self.lengths[sel]
 
     @classmethod
-    def load(cls, cache_dir: str | os.PathLike | Sequence[str | os.PathLike], layers: Sequence[int] | None = None,
-             max_tokens: int | None = None) -> "RaggedFeatures":
-        """All shards (or the first ones up to `max_tokens` tokens), feature columns of `layers`
-        selected shard by shard and copied into arrays allocated once: the peak memory is the
-        kept columns plus one shard (a concatenation at the end doubled it, which a 1.5M-token
-        cache's five taps, 8.8 GB, could not afford beside another training run). `cache_dir` may
-        be several caches of one target and taps, read as one in the order given; each keeps its
-        own prompt numbers, so each holds out its own tenth of prompts."""
-        from safetensors import safe_open
-        from safetensors.numpy import load_file
-
+    def load(cls, cache_dir: str | os.PathLike | Sequence[str | os.PathLike],
+             layers: Sequence[int] | None = None) -> "RaggedFeatures":
+        """All shards, memory-mapped; `layers` selects the feature columns a batch returns.
+        `cache_dir` may be several caches of one target and taps, read as one in the order given;
+        each keeps its own prompt numbers, so each holds out its own tenth of prompts."""
         dirs = [Path(cache_dir)] if isinstance(cache_dir, (str, os.PathLike)) else [Path(c) for c in cache_dir]
         d = dirs[0]
         meta = json.loads((d / "meta.json").read_text())
-        shards = []
+        paths = []
         for other in dirs:
             found = sorted(other.glob("shard_*.safetensors"))
             if not found:
@@ -517,46 +546,53 @@ class RaggedFeatures:
                 if m.get(key) != meta.get(key):
                     raise ValueError(f"{other}: its {key} {m.get(key)!r} differs from {d}'s {meta.get(key)!r}; "
                                      f"only caches of one target and taps are read together")
-            shards += found
+            paths += found
         cols = None
         if layers is not None:
             have, H = list(meta["layers"]), meta["dim"]
             missing = [lid for lid in layers if lid not in have]
             if missing:
                 raise ValueError(f"{d}: layers {missing} not cached (cache has {have})")
-            cols = np.concatenate([np.arange(have.index(lid) * H, (have.index(lid) + 1) * H) for lid in layers])
-        sizes = []  # tokens per shard, read first: the arrays are allocated once and filled in place
-        for p in shards:
-            with safe_open(str(p), "numpy") as f:
-                sizes.append(int(f.get_tensor("lengths").sum()))
-            if max_tokens and sum(sizes) >= max_tokens:
-                break
-        flat, per_seq, at = None, [], 0
-        for p, size in zip(shards, sizes):
-            sh = load_file(str(p))
-            if cols is not None:
-                sh["feats"] = sh["feats"][:, cols]
-            if flat is None:
-                flat = {k: np.empty((sum(sizes),) + sh[k].shape[1:], sh[k].dtype) for k in FEATURE_KEYS}
-            for k in FEATURE_KEYS:
-                flat[k][at:at + size] = sh[k]
-            at += size
-            per_seq.append([sh[k] for k in ("lengths", "answer_start", "prompt_idx", "sampled")])
-            del sh
-        np.maximum(flat["top_logp"], -30.0, out=flat["top_logp"])  # early caches wrote -inf in prompts
-        return cls(meta, flat, *(np.concatenate(c) for c in zip(*per_seq)))
+            if list(layers) != have:
+                cols = np.concatenate([np.arange(have.index(lid) * H, (have.index(lid) + 1) * H) for lid in layers])
+        shards, per_seq = [], []
+        for i, p in enumerate(paths):
+            sh = map_safetensors(p)
+            shards.append({k: sh[k] for k in FEATURE_KEYS})
+            lengths = np.asarray(sh["lengths"])
+            if int(lengths.sum()) != sh["tokens"].shape[0]:
+                raise ValueError(f"{p}: its lengths sum to {int(lengths.sum())} tokens, its arrays hold "
+                                 f"{sh['tokens'].shape[0]}: a damaged shard (delete it; `train data` rewrites it)")
+            per_seq.append([np.asarray(sh[k]) for k in ("lengths", "answer_start", "prompt_idx", "sampled")]
+                           + [np.full(len(lengths), i)])
+        return cls(meta, shards, cols, *(np.concatenate(c) for c in zip(*per_seq)))
 
     def rows(self, idx: np.ndarray) -> dict:
         """Same contract as CachedFeatures.rows (past a row's length: its last token's values)."""
         idx = np.asarray(idx)
         S = int(self.lengths[idx].max())
-        j = np.minimum(np.arange(S)[None, :], self.lengths[idx][:, None] - 1) + self.offsets[idx][:, None]
-        return {k: self.flat[k][j] for k in FEATURE_KEYS}
+        out = {}
+        for r, i in enumerate(idx.tolist()):
+            sh, a, n = self.shards[self.shard_of[i]], int(self.start[i]), int(self.lengths[i])
+            for k in FEATURE_KEYS:
+                src = sh[k][a:a + n]
+                if k == "feats" and self.cols is not None:
+                    src = src[:, self.cols]
+                if k not in out:
+                    out[k] = np.empty((len(idx), S) + src.shape[1:], src.dtype)
+                out[k][r, :n] = src
+                out[k][r, n:] = src[-1]
+        np.maximum(out["top_logp"], -30.0, out=out["top_logp"])  # early caches wrote -inf in prompts
+        return out
 
     def label_counts(self, vocab_size: int) -> np.ndarray:
         """Token frequencies for the draft vocabulary: the target's greedy tokens in its answers."""
-        ans = answer_positions(self.lengths, self.answer_start)
-        return np.bincount(self.flat["greedy"][ans], minlength=vocab_size)
+        counts = np.zeros(vocab_size, np.int64)
+        for s, sh in enumerate(self.shards):
+            sel = self.shard_of == s
+            ans = answer_positions(self.lengths[sel], self.answer_start[sel])
+            counts += np.bincount(np.asarray(sh["greedy"])[ans], minlength=vocab_size)
+        return counts
 
 
 def answer_positions(lengths: np.ndarray, answer_start: np.ndarray) -> np.ndarray:

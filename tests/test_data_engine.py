@@ -124,7 +124,26 @@ def test_trainer_reads_answers_only(smollm2_path, tmp_path):
     out = tmp_path / "data"
     _run(smollm2_path, _prompts_file(tmp_path, 4), out)
     src = RaggedFeatures.load(out, [29, 1])
-    assert src.flat["feats"].shape[1] == 2 * src.meta["dim"]
+    # the shards are memory-mapped; a row is its shard's packed tokens, the chosen taps in the chosen
+    # order, and past its end its last token's values
+    from safetensors.numpy import load_file
+
+    assert isinstance(src.shards[0]["feats"], np.memmap)
+    shards = [load_file(str(p)) for p in sorted(out.glob("shard_*.safetensors"))]
+    flat = {k: np.concatenate([sh[k] for sh in shards]) for k in ("tokens", "feats", "top_ids")}
+    off = np.concatenate([[0], np.cumsum(src.lengths)[:-1]])
+    H, have = src.meta["dim"], list(src.meta["layers"])
+    tap = {lid: slice(have.index(lid) * H, (have.index(lid) + 1) * H) for lid in (29, 1)}
+    idx = np.array([2, 0, 3])
+    got = src.rows(idx)
+    assert got["feats"].shape == (3, int(src.lengths[idx].max()), 2 * H)
+    for r, i in enumerate(idx):
+        n, seg = int(src.lengths[i]), slice(int(off[i]), int(off[i] + src.lengths[i]))
+        assert np.array_equal(got["tokens"][r, :n], flat["tokens"][seg])
+        assert np.array_equal(got["top_ids"][r, :n], flat["top_ids"][seg])
+        assert np.array_equal(got["feats"][r, :n], np.concatenate([flat["feats"][seg, tap[29]],
+                                                                  flat["feats"][seg, tap[1]]], -1))
+        assert (got["tokens"][r, n:] == flat["tokens"][seg.stop - 1]).all()
     batches = Batches(src, 4, 0.25, seed=0)
     assert np.array_equal(batches.lo, src.answer_start - 1)
     rows = np.random.default_rng(7).choice(batches.split["train"], size=6, p=batches.row_p["train"])
@@ -155,8 +174,10 @@ def test_caches_read_together(smollm2_path, tmp_path):
     ab = open_feature_cache(f"{tmp_path / 'a'},{tmp_path / 'b'}", [1, 29])
     assert np.array_equal(ab.lengths, np.concatenate([a.lengths, b.lengths]))
     assert np.array_equal(ab.prompt_idx, np.concatenate([a.prompt_idx, b.prompt_idx]))
-    for k in a.flat:
-        assert np.array_equal(ab.flat[k], np.concatenate([a.flat[k], b.flat[k]]))
+    for i in range(len(ab.lengths)):
+        one, j = (a, i) if i < len(a.lengths) else (b, i - len(a.lengths))
+        for k, v in ab.rows(np.array([i])).items():
+            assert np.array_equal(v, one.rows(np.array([j]))[k])
     held = Batches(ab, 4, 0.5, seed=0).split["heldout"]  # every 2nd prompt of each run, greedy answers
     assert np.array_equal(held, np.flatnonzero((ab.prompt_idx % 2 == 0) & ~ab.sampled)) and len(held)
     run_engine(smollm2_path, [str(other)], tmp_path / "c", [1, 29],
