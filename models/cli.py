@@ -20,7 +20,7 @@ import click
 from .train import TrainConfig
 
 _HIDDEN = {"method", "target", "out", "data"}
-_CHOICES = {"features": ("cache", "on-the-fly")}
+_CHOICES = {"features": ("cache", "on-the-fly"), "precision": ("fp32", "bf16")}
 
 
 def _config_options(method: str):

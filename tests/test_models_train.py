@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 
 from blockspec.models import data, target as tgt  # noqa: E402
 from fixtures_target import write_tiny_gguf  # noqa: E402
-from blockspec.models.train import TrainConfig, accepted_lengths, load_drafter, train  # noqa: E402
+from blockspec.models.train import TrainConfig, accepted_lengths, check_config, load_drafter, train  # noqa: E402
 
 TINY = dict(dim=48, n_layer=4, n_head=4, n_kv_head=2, head_dim=12, ffn_dim=64, vocab_size=97,
             rope_base=10000.0, norm_eps=1e-6)
@@ -60,7 +60,8 @@ def test_accepted_lengths_rule():
     assert accepted_lengths(draft, labels, data_next, valid).tolist() == [4, 1, 2]
 
 
-@pytest.mark.parametrize("method,extra", [("specblock", {}), ("dblast", dict(n_categories=3, loss="al"))])
+@pytest.mark.parametrize("method,extra", [("specblock", {}), ("dblast", dict(n_categories=3, loss="al")),
+                                          ("specblock", dict(precision="bf16"))])
 def test_overfit_checkpoint_resume(tiny, tmp_path, method, extra):
     path, target, cache = tiny
     cfg = TrainConfig(method=method, target=str(path), out=str(tmp_path / method), data=str(cache),
@@ -230,6 +231,8 @@ def test_device_option_errors():
 
     assert resolve_device("cpu").type == "cpu"
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(BlockspecError, match="--precision 'fp16': expected one of fp32, bf16"):
+        check_config(TrainConfig(data="x", precision="fp16"))
     with pytest.raises(BlockspecError, match="--device 'gpu0': not a device"):
         resolve_device("gpu0")
     with pytest.raises(BlockspecError, match="--device mps: drafters train on cpu or cuda"):
