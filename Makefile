@@ -917,6 +917,21 @@ train-dblast-k16b: train-data-s18 $(DBLAST_S16A_GGUF)
 		--steps $(K16B_DBLAST_STEPS) --seed 15 --init $(DBLAST_S16A_GGUF) --block-size 17 \
 		--out $(TRAIN_DIR)/dblast-k16b >> $(TRAIN_DIR)/dblast-k16b.log 2>&1
 
+# bf16 against fp32 (thirty-fifth session): the same fine-tune of the shipped 23a, 300 steps on the stage-18 answers
+# on disk, seed 19, one thread each, side by side; then `train eval` of both on the evaluation set (`make
+# eval-precision-ab`). `--precision bf16` autocasts the step's matmuls (1.63x the steps/s of fp32 at this shape).
+PRECISION_AB_STEPS ?= 300
+.PHONY: train-specblock-p32 train-specblock-pbf16 eval-precision-ab
+train-specblock-p32: $(S23A_GGUF)
+	$(call specblock_stage,$(PRECISION_AB_STEPS),19,$(S23A_GGUF),specblock-p32,$(S18_DATA_DIR))
+train-specblock-pbf16: $(S23A_GGUF)
+	$(call specblock_stage,$(PRECISION_AB_STEPS),19,$(S23A_GGUF),specblock-pbf16,$(S18_DATA_DIR),--precision bf16)
+eval-precision-ab: eval-set
+	$(MAKE) -j2 train-specblock-p32 train-specblock-pbf16
+	for d in specblock-p32 specblock-pbf16; do \
+		$(TRAIN) eval --drafter $(TRAIN_DIR)/$$d --data $(EVAL_DIR) --target $(SMOLLM2) --batches 64 --by-source \
+			> $(TRAIN_DIR)/eval-$$d.json || exit 1; done
+
 drafters: train-specblock-s23a train-dblast-s16a  # the shipped SpecBlock is stage 23a, the shipped DBlast its stage 16a
 	mkdir -p $(DRAFTERS_DIR)
 	for d in specblock-s23a dblast-s16a; do \
