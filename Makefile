@@ -894,7 +894,8 @@ train-specblock-s24a: train-specblock-s24 $(S23A_GGUF)
 
 # DBlast stage 17 (thirty-fourth session): the shipped 16a on stage 18 alone, now complete (16a saw worker 1's first
 # ~9 shards of it, and all of stage 17), a fresh batch seed, then averaged with 16a. Stages 17 and 18 together (22.7 GB
-# of shards) no longer fit in 24 GB: the first try was killed for memory while loading them. Resumable (--save-every 25).
+# of shards) no longer fit in 24 GB: the first try was killed for memory while loading them (since the thirty-fifth
+# session caches are memory-mapped, so both would now be read together). Resumable (--save-every 25).
 # As run: `make -o setup -o train-data-s18 train-dblast-s17a STAGE_THREADS=2`, 600 steps in 40 min, nothing
 # else running; held-out 0.447 / 0.462 / 0.466 at 200 / 400 / 600 (stage 18's greedy tenth, not stage 16's split).
 # Evaluation set tau: 16a 1.533, stage 17 alone 1.499, 17a 1.537 (first token 0.399 / 0.382 / 0.401): under +0.01,
