@@ -920,7 +920,8 @@ train-dblast-k16b: train-data-s18 $(DBLAST_S16A_GGUF)
 
 # bf16 against fp32 (thirty-fifth session): the same fine-tune of the shipped 23a, 300 steps on the stage-18 answers
 # on disk, seed 19, one thread each, side by side; then `train eval` of both on the evaluation set (`make
-# eval-precision-ab`). `--precision bf16` autocasts the step's matmuls (1.63x the steps/s of fp32 at this shape).
+# eval-precision-ab`). `--precision bf16` autocasts the step's matmuls (1.58x the steps/s of fp32 at this shape alone,
+# `benchmarks/train_step_time.py --threads 1`; 1.33x with the two runs side by side).
 PRECISION_AB_STEPS ?= 300
 .PHONY: train-specblock-p32 train-specblock-pbf16 eval-precision-ab
 train-specblock-p32: $(S23A_GGUF)

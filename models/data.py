@@ -511,21 +511,17 @@ class RaggedFeatures:
     kind = "cache"
 
     def __init__(self, meta: dict, shards: list[dict], cols: np.ndarray | None, lengths: np.ndarray,
-                 answer_start: np.ndarray, prompt_idx: np.ndarray | None = None, sampled: np.ndarray | None = None,
-                 shard_of: np.ndarray | None = None):
+                 answer_start: np.ndarray, prompt_idx: np.ndarray, sampled: np.ndarray, shard_of: np.ndarray,
+                 start: np.ndarray):
         self.meta, self.shards, self.cols = meta, shards, cols
         self.lengths = lengths.astype(np.int64)
         self.answer_start = answer_start.astype(np.int64)
         # the prompt each sequence answers: the held-out split is chosen by it, so it stays the
         # same prompts while the cache grows
-        self.prompt_idx = np.arange(len(lengths)) if prompt_idx is None else prompt_idx.astype(np.int64)
-        self.sampled = np.zeros(len(lengths), bool) if sampled is None else sampled.astype(bool)
+        self.prompt_idx = prompt_idx.astype(np.int64)
+        self.sampled = sampled.astype(bool)
         # sequence i lives in shard shard_of[i], from row start[i] of that shard's packed arrays
-        self.shard_of = np.zeros(len(lengths), np.int64) if shard_of is None else shard_of.astype(np.int64)
-        self.start = np.zeros(len(lengths), np.int64)
-        for s in np.unique(self.shard_of):
-            sel = np.flatnonzero(self.shard_of == s)
-            self.start[sel] = np.cumsum(self.lengths[sel]) - self.lengths[sel]
+        self.shard_of, self.start = shard_of.astype(np.int64), start.astype(np.int64)
 
     @classmethod
     def load(cls, cache_dir: str | os.PathLike | Sequence[str | os.PathLike],
@@ -564,7 +560,7 @@ class RaggedFeatures:
                 raise ValueError(f"{p}: its lengths sum to {int(lengths.sum())} tokens, its arrays hold "
                                  f"{sh['tokens'].shape[0]}: a damaged shard (delete it; `train data` rewrites it)")
             per_seq.append([np.asarray(sh[k]) for k in ("lengths", "answer_start", "prompt_idx", "sampled")]
-                           + [np.full(len(lengths), i)])
+                           + [np.full(len(lengths), i), np.cumsum(lengths) - lengths])
         return cls(meta, shards, cols, *(np.concatenate(c) for c in zip(*per_seq)))
 
     def rows(self, idx: np.ndarray) -> dict:
