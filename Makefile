@@ -734,7 +734,7 @@ train-specblock-s19a: train-specblock-s19 $(S16A_GGUF)
 # $(4) output name, $(5) eval interval, $(6) caches (default: stage 16's; stage 16 of DBlast reads 17 and 18)
 define dblast_s16_stage
 $(TRAIN) $(DBLAST_STAGE) --data $(or $(6),$(S16_DATA_DIR)) --eval-every $(5) --anchors-per-seq 64 --lr 3e-4 --warmup 20 \
-	--steps $(1) --seed $(2) --init $(3) --out $(TRAIN_DIR)/$(4) >> $(TRAIN_DIR)/$(4).log 2>&1
+	--steps $(1) --seed $(2) --init $(3) --out $(TRAIN_DIR)/$(4) $(7) >> $(TRAIN_DIR)/$(4).log 2>&1
 endef
 train-dblast-s12: train-data-s16 $(DBLAST_S11_GGUF)
 	$(call dblast_s16_stage,$(S12_DBLAST_STEPS),9,$(DBLAST_S11_GGUF),dblast-s12,100)
@@ -808,6 +808,18 @@ S18_PROMPTS ?= 5000
 train-data-s18: setup
 	mkdir -p $(TRAIN_DIR)
 	$(call data_workers,$(SMOLLM2),$(S18_DATA_DIR),sharegpt-turn2,$(S18_PROMPTS),64,data-s18,--max-prompt 512 --sample-frac 0.5 --seed 4)
+
+# Stage-19 data (thirty-sixth session): fresh prompts again -- each ShareGPT conversation's third to eighth question,
+# asked after its earlier exchanges (no cache asked them; stage 18 asked the second). Of the 9,883 conversations with a
+# third question, ~1,290 fit 512 prompt tokens by a character estimate (~2,150 prompts over turns 3-8). Half the
+# answers sampled, as stages 16-18.
+S19_DATA_DIR = $(TRAIN_DIR)/data-smollm2-s19
+S19_PROMPTS ?= 2200
+S19_SOURCES = sharegpt-turn3$(,)sharegpt-turn4$(,)sharegpt-turn5$(,)sharegpt-turn6$(,)sharegpt-turn7$(,)sharegpt-turn8
+.PHONY: train-data-s19
+train-data-s19: setup
+	mkdir -p $(TRAIN_DIR)
+	$(call data_workers,$(SMOLLM2),$(S19_DATA_DIR),$(S19_SOURCES),$(S19_PROMPTS),64,data-s19,--max-prompt 512 --sample-frac 0.5 --seed 5)
 
 # Stage 21 (thirtieth session): the shipped 20a fine-tuned on stage 16's and stage 17's answers together (twice the
 # answers stage 20 saw), a fresh cosine schedule and batch seed, then averaged with 20a (w 0.5).
@@ -917,6 +929,22 @@ train-dblast-k16b: train-data-s18 $(DBLAST_S16A_GGUF)
 	$(TRAIN) $(DBLAST_STAGE) --data $(S18_DATA_DIR) --eval-every 100 --anchors-per-seq 16 --lr 4e-4 --warmup 20 \
 		--steps $(K16B_DBLAST_STEPS) --seed 15 --init $(DBLAST_S16A_GGUF) --block-size 17 \
 		--out $(TRAIN_DIR)/dblast-k16b >> $(TRAIN_DIR)/dblast-k16b.log 2>&1
+
+# Stage 25 and DBlast stage 18 (thirty-sixth session): the shipped 23a and 16a fine-tuned on stage 19's fresh
+# questions alone (stage 24 showed answers the drafter has seen add nothing), bf16 steps (equal to fp32 within 0.005 in
+# the thirty-fifth session's A/B, 1.5x the speed), then averaged with their start. Judged as stages 23-24: evaluation
+# set first, then the bench.
+S25_SPECBLOCK_STEPS ?= 1200
+S18_DBLAST_STEPS ?= 500
+.PHONY: train-specblock-s25 train-specblock-s25a train-dblast-s18 train-dblast-s18a
+train-specblock-s25: train-data-s19 $(S23A_GGUF)
+	$(call specblock_stage,$(S25_SPECBLOCK_STEPS),20,$(S23A_GGUF),specblock-s25,$(S19_DATA_DIR),--precision bf16)
+train-specblock-s25a: train-specblock-s25 $(S23A_GGUF)
+	$(call average_with_start,$(S23A_GGUF),specblock-s25)
+train-dblast-s18: train-data-s19 $(DBLAST_S16A_GGUF)
+	$(call dblast_s16_stage,$(S18_DBLAST_STEPS),15,$(DBLAST_S16A_GGUF),dblast-s18,100,$(S19_DATA_DIR),--precision bf16)
+train-dblast-s18a: train-dblast-s18 $(DBLAST_S16A_GGUF)
+	$(call average_with_start,$(DBLAST_S16A_GGUF),dblast-s18)
 
 # bf16 against fp32 (thirty-fifth session): the same fine-tune of the shipped 23a, 300 steps on the stage-18 answers
 # on disk, seed 19, one thread each, side by side; then `train eval` of both on the evaluation set (`make

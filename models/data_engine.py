@@ -99,6 +99,7 @@ def prompt_source_names(sources: Sequence[str], n: int) -> list[str]:
 
 def tagged_prompts(sources: Sequence[str]) -> Iterator[tuple[str, list[dict]]]:
     """(source name, prompt messages) in `iter_prompts`' order."""
+    import functools
     import itertools
 
     from blockspec.runtime.bench.run import PROMPT_SETS, load_prompts
@@ -111,7 +112,7 @@ def tagged_prompts(sources: Sequence[str]) -> Iterator[tuple[str, list[dict]]]:
         start = spec[len(s) + 1:] or "0"
         conv, turn = _conversation_turn(s)
         if conv in data.SOURCES:
-            it = (_prompt_messages(c, turn) for c in data.SOURCES[conv]())
+            it = map(functools.partial(_prompt_messages, turn=turn), data.SOURCES[conv]())
         elif s in PROMPT_SETS:
             it = iter(load_prompts(s))
         else:

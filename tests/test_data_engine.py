@@ -312,3 +312,8 @@ def test_later_turn_sources_ask_the_second_question():
     assert want and got == want
     assert all(p[-1]["role"] == "user" and any(m["role"] == "assistant" for m in p) for p in got)
     assert list(itertools.islice(iter_prompts(["sharegpt-turn2:40"]), 1))[0] not in want
+    # several turns in one run: each source asks its own turn (a late-bound turn once made every
+    # source ask the last one's, so a turn-3..8 run asked the same eighth questions six times)
+    mixed = list(itertools.islice(iter_prompts(["sharegpt-turn2", "sharegpt-turn3"]), 2 * len(want)))
+    assert [sum(m["role"] == "user" for m in p) for p in mixed[:6]] == [2, 3] * 3
+    assert mixed[0] == want[0]
