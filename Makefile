@@ -813,6 +813,10 @@ train-data-s18: setup
 # asked after its earlier exchanges (no cache asked them; stage 18 asked the second). Of the 9,883 conversations with a
 # third question, ~1,290 fit 512 prompt tokens by a character estimate (~2,150 prompts over turns 3-8). Half the
 # answers sampled, as stages 16-18.
+# As run: `make -o setup train-data-s19`, two one-thread workers, 56 min (the first try asked turn 8 six times, a
+# late-bound turn in the data engine, fixed and tested before this run): 2,200 prompts, 36 + 34 shards, 6.2 GB,
+# 1,122,480 tokens with features of which 336,083 answer tokens, 50.4 answer tok/s per worker; 22,552 prompt reads
+# over 512 tokens skipped (both workers count), no evaluation prompt met.
 S19_DATA_DIR = $(TRAIN_DIR)/data-smollm2-s19
 S19_PROMPTS ?= 2200
 S19_SOURCES = sharegpt-turn3$(,)sharegpt-turn4$(,)sharegpt-turn5$(,)sharegpt-turn6$(,)sharegpt-turn7$(,)sharegpt-turn8
@@ -934,8 +938,15 @@ train-dblast-k16b: train-data-s18 $(DBLAST_S16A_GGUF)
 # questions alone (stage 24 showed answers the drafter has seen add nothing), bf16 steps (equal to fp32 within 0.005 in
 # the thirty-fifth session's A/B, 1.5x the speed), then averaged with their start. Judged as stages 23-24: evaluation
 # set first, then the bench.
-S25_SPECBLOCK_STEPS ?= 1200
-S18_DBLAST_STEPS ?= 500
+# As run (side by side, one thread each): `make -o setup -o train-data-s19 train-specblock-s25a` (900 steps, 26 min;
+# held-out on stage 19's greedy tenth 1.023 / 1.071 / 1.073 at 400 / 800 / 900) and `make -o setup -o train-data-s19
+# train-dblast-s18a` (400 steps, 37 min; held-out 0.446 / 0.459 / 0.484 / 0.494 at 100-400). Evaluation set tau:
+# SpecBlock 23a 2.198, stage 25 alone 2.065, 25a 2.175 (first token 0.601 / 0.572 / 0.597; MT-Bench 2.007, HumanEval
+# 2.245); DBlast 16a 1.533, stage 18 alone 1.492, 18a 1.526 (first token 0.399 / 0.378 / 0.396). Both lower than their
+# start: not benched, not shipped. Later questions of ShareGPT conversations (follow-ups to GPT-3.5's answers) are
+# fresh prompts, but further from MT-Bench and HumanEval than the first and second questions.
+S25_SPECBLOCK_STEPS ?= 900
+S18_DBLAST_STEPS ?= 400
 .PHONY: train-specblock-s25 train-specblock-s25a train-dblast-s18 train-dblast-s18a
 train-specblock-s25: train-data-s19 $(S23A_GGUF)
 	$(call specblock_stage,$(S25_SPECBLOCK_STEPS),20,$(S23A_GGUF),specblock-s25,$(S19_DATA_DIR),--precision bf16)
