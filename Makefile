@@ -814,7 +814,7 @@ train-data-s18: setup
 # third question, ~1,290 fit 512 prompt tokens by a character estimate (~2,150 prompts over turns 3-8). Half the
 # answers sampled, as stages 16-18.
 # As run: `make -o setup train-data-s19`, two one-thread workers, 56 min (the first try asked turn 8 six times, a
-# late-bound turn in the data engine, fixed and tested before this run): 2,200 prompts, 36 + 34 shards, 6.2 GB,
+# late-bound turn in the data engine, fixed and tested before this run): 2,200 prompts, 36 shards, 6.2 GB,
 # 1,122,480 tokens with features of which 336,083 answer tokens, 50.4 answer tok/s per worker; 22,552 prompt reads
 # over 512 tokens skipped (both workers count), no evaluation prompt met.
 S19_DATA_DIR = $(TRAIN_DIR)/data-smollm2-s19
