@@ -731,7 +731,8 @@ train-specblock-s19: train-data-s16 $(S16A_GGUF)
 train-specblock-s19a: train-specblock-s19 $(S16A_GGUF)
 	$(call average_with_start,$(S16A_GGUF),specblock-s19)
 # stages 12-15: a shipped DBlast fine-tuned on stage 16's answers alone. $(1) steps, $(2) batch seed, $(3) init GGUF,
-# $(4) output name, $(5) eval interval, $(6) caches (default: stage 16's; stage 16 of DBlast reads 17 and 18)
+# $(4) output name, $(5) eval interval, $(6) caches (default: stage 16's; stage 16 of DBlast reads 17 and 18),
+# $(7) more flags (stage 18: --precision bf16)
 define dblast_s16_stage
 $(TRAIN) $(DBLAST_STAGE) --data $(or $(6),$(S16_DATA_DIR)) --eval-every $(5) --anchors-per-seq 64 --lr 3e-4 --warmup 20 \
 	--steps $(1) --seed $(2) --init $(3) --out $(TRAIN_DIR)/$(4) $(7) >> $(TRAIN_DIR)/$(4).log 2>&1
@@ -811,8 +812,8 @@ train-data-s18: setup
 
 # Stage-19 data (thirty-sixth session): fresh prompts again -- each ShareGPT conversation's third to eighth question,
 # asked after its earlier exchanges (no cache asked them; stage 18 asked the second). Of the 9,883 conversations with a
-# third question, ~1,290 fit 512 prompt tokens by a character estimate (~2,150 prompts over turns 3-8). Half the
-# answers sampled, as stages 16-18.
+# third question, ~1,290 fit 512 prompt tokens by a character estimate (~2,150 prompts over turns 3-8; the run
+# below reached its 2,200, so the estimate is low). Half the answers sampled, as stages 16-18.
 # As run: `make -o setup train-data-s19`, two one-thread workers, 56 min (the first try asked turn 8 six times, a
 # late-bound turn in the data engine, fixed and tested before this run): 2,200 prompts, 36 shards, 6.2 GB,
 # 1,122,480 tokens with features of which 336,083 answer tokens, 50.4 answer tok/s per worker; 22,552 prompt reads

@@ -296,7 +296,8 @@ def test_prompt_length_window(smollm2_path, tmp_path):
 
 def test_later_turn_sources_ask_the_second_question():
     """`sharegpt-turn2` asks each ShareGPT conversation its second question after the first exchange
-    (conversations with one question are skipped), and `SOURCE:N` still counts records."""
+    (conversations with one question are skipped), `SOURCE:N` still counts records, and sources of
+    different turns in one run each ask their own turn."""
     import itertools
 
     from blockspec.models import data
