@@ -811,9 +811,8 @@ train-data-s18: setup
 	$(call data_workers,$(SMOLLM2),$(S18_DATA_DIR),sharegpt-turn2,$(S18_PROMPTS),64,data-s18,--max-prompt 512 --sample-frac 0.5 --seed 4)
 
 # Stage-19 data (thirty-sixth session): fresh prompts again -- each ShareGPT conversation's third to eighth question,
-# asked after its earlier exchanges (no cache asked them; stage 18 asked the second). Of the 9,883 conversations with a
-# third question, ~1,290 fit 512 prompt tokens by a character estimate (~2,150 prompts over turns 3-8; the run
-# below reached its 2,200, so the estimate is low). Half the answers sampled, as stages 16-18.
+# asked after its earlier exchanges (no cache asked them; stage 18 asked the second), those that fit 512 prompt
+# tokens. Half the answers sampled, as stages 16-18.
 # As run: `make -o setup train-data-s19`, two one-thread workers, 56 min (the first try asked turn 8 six times, a
 # late-bound turn in the data engine, fixed and tested before this run): 2,200 prompts, 36 shards, 6.2 GB,
 # 1,122,480 tokens with features of which 336,083 answer tokens, 50.4 answer tok/s per worker; 22,552 prompt reads
