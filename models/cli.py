@@ -165,14 +165,20 @@ def data_cmd(target, sources, out, layers, **opts):
 @click.option("--by-source", is_flag=True, help="also the estimate on each prompt source alone (--batches each)")
 @click.option("--device", default="auto", show_default=True,
               help="torch device: auto (cuda when this torch has one, else cpu), cpu, cuda, cuda:N")
-def eval_cmd(drafter, data, target, batches, by_source, device):
+@click.option("--walk", is_flag=True, help="also replay greedy serving on every held-out answer: tau per target "
+              "pass and the accepted-length histogram, as `blockspec bench` counts them")
+@click.option("--n-prompts", type=click.IntRange(min=1), default=None,
+              help="only the cache's first N prompts (round-robin over its sources: 120 of mtbench,humaneval "
+                   "= the bench's --n-prompts 60)")
+def eval_cmd(drafter, data, target, batches, by_source, device, walk, n_prompts):
     """Held-out acceptance of a drafter on the target's own answers (what greedy serving sees),
     with tau at each smaller block size the drafter can draft."""
     from .data_engine import prompt_source_names
     from .train import evaluate_drafter
 
     click.echo(json.dumps(evaluate_drafter(drafter, data, target, n_batches=batches,
-                                           by_source=prompt_source_names if by_source else None, device=device)))
+                                           by_source=prompt_source_names if by_source else None, device=device,
+                                           walk=walk, n_prompts=n_prompts)))
 
 
 @train.command("average")

@@ -253,23 +253,28 @@ class Batches:
         block's P) label positions from anchor+1 on; a longer span carries the cross-block
         block's labels too, and never changes which rows and anchors are drawn. `tokens`: also
         the rows' whole token sequences, "tokens" [B, S] (numpy; the diagnostic scripts read them)."""
-        import torch
-
         rng = rng or self.rng
-        P = span or self.P
         rows = rng.choice(self.split[split], size=batch_size, p=self.row_p[split])
         lengths = self.src.lengths[rows]
-        d = self.src.rows(rows)  # [B, S, ...], S = lengths.max()
-        S = int(lengths.max())
         # anchor t needs x[t+1] and at least one label greedy[t+1]; positions past the end are invalid
         hi = np.maximum(lengths - 2, 0)
         lo = np.minimum(self.lo[rows], hi)
         anc = np.stack([rng.integers(l, h + 1, size=anchors) for l, h in zip(lo, hi)])  # [B, N]
+        return self.batch_at(rows, anc, span, tokens)
+
+    def batch_at(self, rows: np.ndarray, anc: np.ndarray, span: int | None = None, tokens: bool = False):
+        """get_batch's dict for given rows [B] and anchors [B, N]."""
+        import torch
+
+        P = span or self.P
+        lengths = self.src.lengths[rows]
+        d = self.src.rows(rows)  # [B, S, ...], S = lengths.max()
+        S = int(lengths.max())
         j = np.arange(P)
         pos = anc[..., None] + 1 + j  # [B, N, P] index of the target position predicting each label
         valid = pos < lengths[:, None, None] - 1
         pos_c = np.minimum(pos, S - 1)
-        r = np.arange(batch_size)[:, None, None]
+        r = np.arange(len(rows))[:, None, None]
         out = dict(
             feats=torch.from_numpy(d["feats"].astype(np.float32)),
             anchors=torch.from_numpy(anc).long(),
@@ -376,6 +381,48 @@ def estimate_acceptance(model, batches: Batches, c: TrainConfig, n_batches: int 
     if m:
         res.update(xb_accept=xacc / max(1, xn), xb_blocks=xn, xb_match_per_pos=(xmatch / max(1, xn)).tolist())
     return res
+
+
+def walk_acceptance(model, batches: Batches, rows: np.ndarray, chunk: int = 256) -> dict:
+    """Greedy serving replayed offline on the cache's greedy answers: from each answer's start (the
+    prefill's pass, which drafts nothing), a greedy block is drafted at the current anchor, its
+    accepted prefix k taken as a verify pass would, and the next anchor is k + 1 further on. Unlike
+    `estimate_acceptance` (blocks at anchors drawn uniformly over the answers, so a stretch the chain
+    crosses in one pass weighs as much as one it crosses in five), this counts the passes serving
+    makes: tau = answer tokens / passes, as `blockspec bench` reports it, and accept_hist over passes
+    (prefill in bin 0), as the bench's. Every anchor of a row is drafted in one batch per `chunk`."""
+    import torch
+
+    P = model.args.n_predict
+    dev = model_device(model)
+    hist = np.zeros(P + 1, np.int64)
+    tokens = 0
+    was = model.training
+    model.eval()
+    with torch.no_grad():
+        for r in np.asarray(rows).tolist():
+            n = int(batches.src.lengths[r])
+            lo, last = int(batches.lo[r]), n - 3  # the last anchor with a label: t + 1 < n - 1
+            if n - 1 - lo <= 0:
+                continue  # no answer token
+            hist[0] += 1  # the prefill's pass: the first answer token
+            tokens += n - 1 - lo
+            acc = []
+            for a in range(lo, last + 1, chunk):
+                anc = np.arange(a, min(a + chunk, last + 1))[None]
+                b = to_device(batches.batch_at(np.array([r]), anc), dev)
+                draft, _ = draft_greedy(model, b)
+                acc.append(accepted_lengths(draft, b["labels"], b["data_next"], b["valid"])[0].cpu().numpy())
+            acc = np.concatenate(acc) if acc else acc
+            t = lo
+            while t <= last:
+                k = int(acc[t - lo])
+                hist[k] += 1
+                t += k + 1
+    model.train(was)
+    passes = int(hist.sum())
+    return dict(tau=round(tokens / max(1, passes), 4), passes=passes, tokens=tokens,
+                accepting=round(1 - hist[0] / max(1, passes), 4), accept_hist=hist.tolist())
 
 
 def specblock_terms(model, out, b, c: TrainConfig, shift: int = 0) -> dict:
@@ -704,13 +751,16 @@ def tau_by_block(hist: Sequence[int]) -> dict[int, float]:
 
 def evaluate_drafter(drafter: str, data: str, target_path: str, n_batches: int = 32, batch_size: int = 8,
                      anchors: int = 16, heldout_frac: float = 0.1, target=None,
-                     by_source: Callable[[Sequence[str], int], list[str]] | None = None, device: str = "auto") -> dict:
+                     by_source: Callable[[Sequence[str], int], list[str]] | None = None, device: str = "auto",
+                     walk: bool = False, n_prompts: int | None = None) -> dict:
     """The held-out estimate of a drafter (checkpoint dir or GGUF) on a self-distilled cache: the
     same blocks `train` evaluates (held-out prompts' greedy answers, anchored in the answers, every
     answer token weighted alike). accept = expected accepted prefix of a greedy block, so the
     chain's tau (tokens per target pass) is 1 + accept; tau_by_block the same at smaller blocks.
     by_source: the same estimate on each source's held-out prompts alone (n_batches each), the
-    source of each prompt index named by by_source(cache sources, n) (data_engine.prompt_source_names)."""
+    source of each prompt index named by by_source(cache sources, n) (data_engine.prompt_source_names).
+    walk: also `walk_acceptance` on every held-out answer (what the bench measures on those prompts);
+    n_prompts: only the cache's first n prompts (its prompt order: round-robin over its sources)."""
     from blockspec.runtime.errors import BlockspecError
 
     from . import data as data_mod
@@ -730,18 +780,25 @@ def evaluate_drafter(drafter: str, data: str, target_path: str, n_batches: int =
     if source.meta.get("eval_set"):  # evaluation prompts: every one is held out
         heldout_frac = 1.0
     batches = Batches(source, a.n_predict, heldout_frac, seed=0)
+    if n_prompts is not None:
+        batches.restrict("heldout", batches.split["heldout"][source.prompt_idx[batches.split["heldout"]] < n_prompts])
     batches.require_heldout(data)
-    out = dict(drafter=str(drafter), **_estimate_summary(estimate_acceptance(model, batches, c)),
-               heldout_prompts=len(batches.split["heldout"]))
+
+    def summary(rows):
+        res = dict(**_estimate_summary(estimate_acceptance(model, batches, c)), heldout_prompts=len(rows))
+        if walk:
+            res["walk"] = walk_acceptance(model, batches, rows)
+        return res
+
+    held = batches.split["heldout"]
+    out = dict(drafter=str(drafter), **summary(held))
     if by_source is not None:
-        held = batches.split["heldout"]
         names = np.asarray(by_source(source.meta["sources"], int(source.prompt_idx.max()) + 1))
         row_names = names[source.prompt_idx[held]]
         out["by_source"] = {}
         for name in dict.fromkeys(row_names.tolist()):
             batches.restrict("heldout", held[row_names == name])
-            out["by_source"][name] = dict(**_estimate_summary(estimate_acceptance(model, batches, c)),
-                                          heldout_prompts=int((row_names == name).sum()))
+            out["by_source"][name] = summary(held[row_names == name])
     return out
 
 

@@ -248,6 +248,18 @@ def test_eval_set_is_answered_but_never_trained_on(smollm2_path, tmp_path):
     assert {k: v["heldout_prompts"] for k, v in est["by_source"].items()} == {"mtbench": 2, "humaneval": 1}
     taus = list(est["tau_by_block"].values())
     assert list(est["tau_by_block"]) == [1, 2, 4] and taus == sorted(taus) and taus[-1] == est["tau"]
+    # serving replayed: every answer token produced once, by the prefill's pass (1) or a pass accepting k (k + 1),
+    # where an answer's last pass may end one token past it (its bonus token lies beyond --max-new or the EOS)
+    est = evaluate_drafter(drafter, str(out), str(smollm2_path), n_batches=2, by_source=prompt_source_names,
+                           walk=True, n_prompts=2)
+    assert {k: v["heldout_prompts"] for k, v in est["by_source"].items()} == {"mtbench": 1, "humaneval": 1}
+    seqs = [q for q in _sequences(out) if int(q["prompt_idx"]) < 2]
+    w = est["walk"]
+    assert w["tokens"] == sum(int(q["lengths"] - q["answer_start"]) for q in seqs)
+    made = sum(n * (k + 1) for k, n in enumerate(w["accept_hist"]))
+    assert w["tokens"] <= made <= w["tokens"] + len(seqs)
+    assert w["passes"] == sum(w["accept_hist"]) and w["accept_hist"][0] >= len(seqs)
+    assert w["tokens"] == sum(v["walk"]["tokens"] for v in est["by_source"].values())
 
 
 def test_estimate_needs_held_out_greedy_answers(smollm2_path, tmp_path):

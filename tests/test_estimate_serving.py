@@ -1,7 +1,8 @@
 """The trainer's held-out estimate predicts serving (issue 13): on the target's own greedy answers
-to prompts no drafter trained on, the offline estimate of the shipped SpecBlock (blocks anchored in
-the answers, every answer token weighted alike) equals the accepted tokens per target pass that
-the runtime measures while generating the same answers, within sampling noise."""
+to prompts no drafter trained on, the offline estimates of the shipped SpecBlock agree with the
+runtime generating the same answers: the block estimate (blocks anchored uniformly in the answers,
+every answer token weighted alike) with its accepted tokens per target pass within sampling noise,
+and the serving walk (`walk_acceptance`: serving's own passes replayed offline) with its tau."""
 
 from __future__ import annotations
 
@@ -34,15 +35,18 @@ def test_heldout_estimate_matches_runtime_acceptance(smollm2_path, tmp_path):
     run_engine(smollm2_path, [str(prompts)], tmp_path / "data", layers,
                EngineConfig(n_prompts=N_PROMPTS, n_parallel=N_PROMPTS, max_new=MAX_NEW, sample_frac=0.0),
                progress=False)
-    est = evaluate_drafter(drafter, str(tmp_path / "data"), str(smollm2_path), n_batches=48, heldout_frac=1.0)
+    est = evaluate_drafter(drafter, str(tmp_path / "data"), str(smollm2_path), n_batches=48, heldout_frac=1.0,
+                           walk=True)
 
-    accepted = []
+    accepted, produced, passes = [], 0, 0
     with Target(smollm2_path, TargetConfig(n_ctx=1024, n_seq_max=16)) as t:
         d = make_drafter("specblock", drafter, None, block_size=4)
         for p in PROMPTS[:N_PROMPTS]:
             t.clear()
             g = generate(t, prompt_tokens(t, p), max_tokens=MAX_NEW, sampling=SamplingParams(), drafter=d)
             hist = list(g.stats.accept_hist)
+            produced += g.n_tokens + (g.finish_reason == "stop")  # the bench's count: an EOS is produced
+            passes += sum(hist)
             hist[0] -= 1  # the prefill's pass drafts nothing
             accepted += [k for k, n in enumerate(hist) for _ in range(n)]
     accepted = np.array(accepted, float)
@@ -51,5 +55,11 @@ def test_heldout_estimate_matches_runtime_acceptance(smollm2_path, tmp_path):
     se = np.hypot(accepted.std() / np.sqrt(len(accepted)), accepted.std() / np.sqrt(est["blocks"]))
     print(f"estimate {est['accept']:.3f} (first token {est['first_token']:.3f}, {est['blocks']} blocks), "
           f"serving {serve:.3f} over {len(accepted)} passes, se {se:.3f}")
+    w = est["walk"]
+    print(f"walk: tau {w['tau']:.3f} over {w['passes']} passes; runtime {produced / passes:.3f} over {passes}")
     assert serve > 0.05  # the drafter does get tokens accepted
     assert abs(est["accept"] - serve) <= 3 * se + 0.03
+    # the same answers, the same passes: only blocks whose run-time draft differs from the offline one
+    # (a few percent, in the last bits of the features) can move the walk off the runtime's count
+    assert w["tokens"] == produced
+    assert abs(w["tau"] - produced / passes) <= 0.03
