@@ -225,6 +225,8 @@ train-stage5: stage4-gguf train-data-fresh5
 # reads. `train data --eval-set` marks the cache so training refuses it; `train eval` then scores a
 # drafter on all 244 prompts (~8,000 blocks) where the bench sees 10. As run: 12 min on one thread
 # beside a training job, 48,891 answer tokens, 469 MiB. `make eval-drafters` scores the shipped ones.
+# `--walk` (thirty-seventh session) also replays greedy serving on the answers: tau per target pass as the bench
+# counts it (`--n-prompts 120` = the bench's `--n-prompts 60`: SpecBlock 23a 1.992 against the bench's 1.991).
 EVAL_DIR = $(TRAIN_DIR)/eval-smollm2-bench
 .PHONY: eval-set eval-drafters
 eval-set: setup
@@ -233,7 +235,7 @@ eval-set: setup
 		>> $(TRAIN_DIR)/eval-smollm2-bench.log 2>&1
 eval-drafters: eval-set
 	for d in $(DRAFTERS_DIR)/smollm2-135m-*.q8_0.gguf; do \
-		$(TRAIN) eval --drafter $$d --data $(EVAL_DIR) --target $(SMOLLM2) --batches 64 --by-source || exit 1; done
+		$(TRAIN) eval --drafter $$d --data $(EVAL_DIR) --target $(SMOLLM2) --batches 64 --by-source --walk || exit 1; done
 
 # $(call specblock_stage,STEPS,SEED,INIT,OUT[,DATA[,OPTIONS]]): stages 6-10, SpecBlock fine-tuned from
 # INIT (a checkpoint folder or GGUF) on DATA (default: the stage-3 data run; several caches:
@@ -824,6 +826,17 @@ S19_SOURCES = sharegpt-turn3$(,)sharegpt-turn4$(,)sharegpt-turn5$(,)sharegpt-tur
 train-data-s19: setup
 	mkdir -p $(TRAIN_DIR)
 	$(call data_workers,$(SMOLLM2),$(S19_DATA_DIR),$(S19_SOURCES),$(S19_PROMPTS),64,data-s19,--max-prompt 512 --sample-frac 0.5 --seed 5)
+
+# Stage-20 data (thirty-seventh session): stage 17's prompts (ShareGPT's first questions up to 512 tokens from three
+# record offsets, every stdlib code prompt) answered once more under a new seed, every answer sampled, so no text
+# repeats a greedy answer an earlier stage already trained on; the later-question stage 19 lowered both drafters,
+# and stages 16-17's fresh answers gave the last large gains. Two one-thread workers, resumable.
+S20_DATA_DIR = $(TRAIN_DIR)/data-smollm2-s20
+S20_PROMPTS ?= 5000
+.PHONY: train-data-s20
+train-data-s20: setup
+	mkdir -p $(TRAIN_DIR)
+	$(call data_workers,$(SMOLLM2),$(S20_DATA_DIR),sharegpt:9600$(,)pycode$(,)sharegpt:12700$(,)pycode-more$(,)sharegpt:16200,$(S20_PROMPTS),64,data-s20,--max-prompt 512 --sample-frac 1 --seed 6)
 
 # Stage 21 (thirtieth session): the shipped 20a fine-tuned on stage 16's and stage 17's answers together (twice the
 # answers stage 20 saw), a fresh cosine schedule and batch seed, then averaged with 20a (w 0.5).
