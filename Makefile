@@ -831,6 +831,10 @@ train-data-s19: setup
 # record offsets, every stdlib code prompt) answered once more under a new seed, every answer sampled, so no text
 # repeats a greedy answer an earlier stage already trained on; the later-question stage 19 lowered both drafters,
 # and stages 16-17's fresh answers gave the last large gains. Two one-thread workers, resumable.
+# As run (thirty-seventh session): worker 0 alone for 28 min beside other work, then both for 41 min, stopped (Ctrl-C)
+# for the stage-26 fine-tune: 2,774 prompts, 44 shards, 4.9 GB, 892,291 tokens with features of which 528,133 answer
+# tokens, 75-86 answer tok/s per worker; 665 prompts over 512 tokens skipped, no evaluation prompt met. The same
+# command resumes it toward 5,000 prompts.
 S20_DATA_DIR = $(TRAIN_DIR)/data-smollm2-s20
 S20_PROMPTS ?= 5000
 .PHONY: train-data-s20
@@ -969,6 +973,22 @@ train-dblast-s18: train-data-s19 $(DBLAST_S16A_GGUF)
 	$(call dblast_s16_stage,$(S18_DBLAST_STEPS),15,$(DBLAST_S16A_GGUF),dblast-s18,100,$(S19_DATA_DIR),--precision bf16)
 train-dblast-s18a: train-dblast-s18 $(DBLAST_S16A_GGUF)
 	$(call average_with_start,$(DBLAST_S16A_GGUF),dblast-s18)
+
+# Stage 26 and DBlast stage 19 (thirty-seventh session): the shipped 23a and 16a fine-tuned on stage 20's fresh sampled
+# answers with the stage-18 answers on disk (2,146 of its prompts: the greedy held-out tenth, and answers both drafters
+# have seen, against forgetting), bf16, side by side at one thread each, then averaged with their start. Judged by
+# `train eval --walk` on the evaluation set (serving's tau), then the bench.
+S26_SPECBLOCK_STEPS ?= 900
+S19_DBLAST_STEPS ?= 300
+.PHONY: train-specblock-s26 train-specblock-s26a train-dblast-s19 train-dblast-s19a
+train-specblock-s26: train-data-s20 $(S23A_GGUF)
+	$(call specblock_stage,$(S26_SPECBLOCK_STEPS),21,$(S23A_GGUF),specblock-s26,$(S20_DATA_DIR)$(,)$(S18_DATA_DIR),--precision bf16)
+train-specblock-s26a: train-specblock-s26 $(S23A_GGUF)
+	$(call average_with_start,$(S23A_GGUF),specblock-s26)
+train-dblast-s19: train-data-s20 $(DBLAST_S16A_GGUF)
+	$(call dblast_s16_stage,$(S19_DBLAST_STEPS),16,$(DBLAST_S16A_GGUF),dblast-s19,100,$(S20_DATA_DIR)$(,)$(S18_DATA_DIR),--precision bf16)
+train-dblast-s19a: train-dblast-s19 $(DBLAST_S16A_GGUF)
+	$(call average_with_start,$(DBLAST_S16A_GGUF),dblast-s19)
 
 # bf16 against fp32 (thirty-fifth session): the same fine-tune of the shipped 23a, 300 steps on the stage-18 answers
 # on disk, seed 19, one thread each, side by side; then `train eval` of both on the evaluation set (`make
