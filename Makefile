@@ -978,6 +978,11 @@ train-dblast-s18a: train-dblast-s18 $(DBLAST_S16A_GGUF)
 # answers with the stage-18 answers on disk (2,146 of its prompts: the greedy held-out tenth, and answers both drafters
 # have seen, against forgetting), bf16, side by side at one thread each, then averaged with their start. Judged by
 # `train eval --walk` on the evaluation set (serving's tau), then the bench.
+# As run (side by side, one thread each, nothing else): `make -o setup -o train-data-s20 -o train-data-s18
+# train-specblock-s26a` (900 steps, 28 min; held-out block estimate 0.994 / 1.052 / 1.067 at 400 / 800 / 900) and the
+# same for `train-dblast-s19a` (300 steps, 28 min; 0.447 / 0.454 / 0.468 at 100-300). Evaluation set, `train eval --walk` (serving
+# tau; block estimate in brackets): SpecBlock 23a 2.004 (2.198), stage 26 alone 1.970 (2.146), 26a 2.005 (2.190),
+# passes accepting 55.0% / 54.8% / 55.2%; DBlast 16a 1.522 (1.533), 19a 1.519 (1.530). Flat: not benched, not shipped.
 S26_SPECBLOCK_STEPS ?= 900
 S19_DBLAST_STEPS ?= 300
 .PHONY: train-specblock-s26 train-specblock-s26a train-dblast-s19 train-dblast-s19a
