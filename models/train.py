@@ -420,8 +420,14 @@ def walk_acceptance(model, batches: Batches, rows: np.ndarray, chunk: int = 256)
                 hist[k] += 1
                 t += k + 1
     model.train(was)
+    return _walk_figures(hist, tokens)
+
+
+def _walk_figures(hist: np.ndarray, tokens: int) -> dict:
+    """walk_acceptance's summary of a pass histogram and the answer tokens it produced (walks over
+    disjoint rows add: sum their histograms and tokens)."""
     passes = int(hist.sum())
-    return dict(tau=round(tokens / max(1, passes), 4), passes=passes, tokens=tokens,
+    return dict(tau=round(tokens / max(1, passes), 4), passes=passes, tokens=int(tokens),
                 accepting=round(1 - hist[0] / max(1, passes), 4), accept_hist=hist.tolist())
 
 
@@ -784,21 +790,26 @@ def evaluate_drafter(drafter: str, data: str, target_path: str, n_batches: int =
         batches.restrict("heldout", batches.split["heldout"][source.prompt_idx[batches.split["heldout"]] < n_prompts])
     batches.require_heldout(data)
 
-    def summary(rows):
+    def summary(rows, walk_rows: bool):
         res = dict(**_estimate_summary(estimate_acceptance(model, batches, c)), heldout_prompts=len(rows))
-        if walk:
+        if walk_rows:
             res["walk"] = walk_acceptance(model, batches, rows)
         return res
 
     held = batches.split["heldout"]
-    out = dict(drafter=str(drafter), **summary(held))
+    # with --by-source the sources' walks cover the held-out rows once, and the whole walk is their sum
+    out = dict(drafter=str(drafter), **summary(held, walk and by_source is None))
     if by_source is not None:
         names = np.asarray(by_source(source.meta["sources"], int(source.prompt_idx.max()) + 1))
         row_names = names[source.prompt_idx[held]]
         out["by_source"] = {}
         for name in dict.fromkeys(row_names.tolist()):
             batches.restrict("heldout", held[row_names == name])
-            out["by_source"][name] = summary(held[row_names == name])
+            out["by_source"][name] = summary(held[row_names == name], walk)
+        if walk:
+            parts = [v["walk"] for v in out["by_source"].values()]
+            out["walk"] = _walk_figures(np.sum([w["accept_hist"] for w in parts], axis=0),
+                                        sum(w["tokens"] for w in parts))
     return out
 
 
