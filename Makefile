@@ -995,6 +995,26 @@ train-dblast-s19: train-data-s20 $(DBLAST_S16A_GGUF)
 train-dblast-s19a: train-dblast-s19 $(DBLAST_S16A_GGUF)
 	$(call average_with_start,$(DBLAST_S16A_GGUF),dblast-s19)
 
+# Stage 27 (thirty-eighth session): stage 26's recipe (23a + 900 steps on stage 20 + the stage-18 answers, seed 21, bf16)
+# with the training anchors drawn where greedy serving drafts (`--serve-anchors`: 23a's walk over the training answers,
+# computed once at the start and saved in the run's folder), not uniformly over the answers; stage 26 is its control.
+S27_SPECBLOCK_STEPS ?= 900
+.PHONY: train-specblock-s27 train-specblock-s27a
+train-specblock-s27: train-data-s20 $(S23A_GGUF)
+	$(call specblock_stage,$(S27_SPECBLOCK_STEPS),21,$(S23A_GGUF),specblock-s27,$(S20_DATA_DIR)$(,)$(S18_DATA_DIR),--precision bf16 --serve-anchors)
+train-specblock-s27a: train-specblock-s27 $(S23A_GGUF)
+	$(call average_with_start,$(S23A_GGUF),specblock-s27)
+
+# Stage 28 (thirty-eighth session): stage 26's recipe with SpecBlock reading all five taps the caches hold (layer inputs
+# 1, 8, 15, 22, 29, as DBlast does) instead of three (1, 15, 29): `--target-layers` grows 23a's input, the new taps'
+# weights starting at zero (it drafts what 23a drafted) and their feature scale fitted on the data; stage 26 is its control.
+S28_SPECBLOCK_STEPS ?= 900
+.PHONY: train-specblock-s28 train-specblock-s28a
+train-specblock-s28: train-data-s20 $(S23A_GGUF)
+	$(call specblock_stage,$(S28_SPECBLOCK_STEPS),21,$(S23A_GGUF),specblock-s28,$(S20_DATA_DIR)$(,)$(S18_DATA_DIR),--precision bf16 --target-layers 1$(,)8$(,)15$(,)22$(,)29)
+train-specblock-s28a: train-specblock-s28 $(S23A_GGUF)
+	$(call average_with_start,$(S23A_GGUF),specblock-s28)
+
 # bf16 against fp32 (thirty-fifth session): the same fine-tune of the shipped 23a, 300 steps on the stage-18 answers
 # on disk, seed 19, one thread each, side by side; then `train eval` of both on the evaluation set (`make
 # eval-precision-ab`). `--precision bf16` autocasts the step's matmuls (1.58x the steps/s of fp32 at this shape alone,

@@ -250,6 +250,39 @@ class BlockDrafter(nn.Module):
             self.layers.append(layer)
         self.args.n_layer = int(n_layer)
 
+    @torch.no_grad()
+    def grow_target_layers(self, target_layers: list[int]) -> list[int]:
+        """Read the taps `target_layers` (a superset of the drafter's, in the order given) from now on.
+        fc's columns for the new layers start at zero (the drafter drafts exactly what it did) and
+        their feature scale at one; returns the new layers (the caller fits their scale on data, as
+        `fit_feature_scale` does for a new drafter: `set_layer_scale`)."""
+        old, new = [int(x) for x in self.args.target_layers], [int(x) for x in target_layers]
+        if len(set(new)) != len(new) or not set(old) <= set(new):
+            raise ValueError(f"target layers {new}: expected every one of the drafter's {old}, each once")
+        D = self.args.target_dim
+        w = self.fc.weight.new_zeros(self.fc.weight.shape[0], len(new) * D)
+        scale = self.feat_scale.new_ones(len(new) * D)
+        for i, lid in enumerate(new):
+            if lid in old:
+                j = old.index(lid)
+                w[:, i * D:(i + 1) * D] = self.fc.weight[:, j * D:(j + 1) * D]
+                scale[i * D:(i + 1) * D] = self.feat_scale[j * D:(j + 1) * D]
+        self.fc = nn.Linear(len(new) * D, w.shape[0], bias=False).to(w.device)
+        self.fc.weight.copy_(w)
+        self.feat_scale = scale
+        self.args.target_layers = new
+        return [lid for lid in new if lid not in old]
+
+    @torch.no_grad()
+    def set_layer_scale(self, lid: int, scale: torch.Tensor) -> None:
+        """The feature scale of target layer `lid`'s dimensions (fc's input order)."""
+        i, D = [int(x) for x in self.args.target_layers].index(int(lid)), self.args.target_dim
+        self.feat_scale[i * D:(i + 1) * D] = scale.to(self.feat_scale.dtype)
+
+    def layer_scale(self, lid: int) -> torch.Tensor:
+        i, D = [int(x) for x in self.args.target_layers].index(int(lid)), self.args.target_dim
+        return self.feat_scale[i * D:(i + 1) * D]
+
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # checkpoints from before the feature scale, and exported states (scale folded into fc)
         state_dict.setdefault(prefix + "feat_scale", torch.ones_like(self.feat_scale))

@@ -69,7 +69,8 @@ class TrainConfig:
     block_size: int = _opt(0, "tokens per block (0: the method's default, specblock K=4, dblast B=5)")
     draft_vocab_size: int = _opt(8192, "draft vocabulary size (0: share the target's head)")
     target_layers: list = _opt([], "comma-separated target layer-input ids the drafter reads "
-                                   "(empty: the method's default)")
+                                   "(empty: the method's default, or the --init drafter's; with --init, more "
+                                   "layers than its own grow its input: the new ones start at zero weight)")
     n_categories: int = _opt(1, "categories Kz of the latent (1: plain DFlash)", DBLAST)
     qk_norm: bool = _opt(False, "per-head q/k RMSNorm (DFlash's; exports to upstream dflash exactly)", DBLAST)
     anchor_input: bool = _opt(False, "experimental: every block row also reads the anchor's conditioning "
@@ -107,11 +108,14 @@ class TrainConfig:
     precision: str = _opt("fp32", "fp32 | bf16: the training step's matmuls in bf16 autocast (weights, optimizer, "
                                   "losses and the held-out estimate stay fp32); on this CPU (avx512_bf16) 1.4-1.6x "
                                   "the steps per second")
+    serve_anchors: bool = _opt(False, "draw the training blocks' anchors where greedy serving drafts (the start "
+                                      "drafter's walk over the training answers, computed once and saved in "
+                                      "--out as serve_anchors.npz), not uniformly over the answers")
     resume: bool = _opt(True, "continue from the checkpoint in --out if there is one")
     init: str = _opt("", "fine-tune: start from this drafter (checkpoint dir or GGUF), its shape, draft "
                          "vocabulary and weights (the size options are then ignored, but --block-size "
                          "resizes its block: SpecBlock's new position queries start as its last one; "
-                         "and --n-layer grows its layers)")
+                         "--n-layer grows its layers, --target-layers its taps)")
     repick_vocab: bool = _opt(False, "with --init: re-pick the draft vocabulary (same size) from this data's "
                                      "answers; kept tokens keep their trained head rows, new ones start at the "
                                      "trained rows' mean plus half the target's row")
@@ -224,6 +228,8 @@ class Batches:
         self.lo = np.zeros(n, np.int64) if start is None else np.maximum(np.asarray(start) - 1, 0)
         self.weighted = start is not None
         self.row_p = {k: self._row_p(ids) for k, ids in self.split.items()}
+        # train --serve-anchors: {row: anchors} the train split's blocks are drawn from (serve_anchors)
+        self.train_anchors: dict[int, np.ndarray] | None = None
 
     def require_heldout(self, data: str) -> None:
         """BlockspecError, one line, when there is nothing to estimate on: the held-out prompts of a
@@ -259,7 +265,9 @@ class Batches:
         # anchor t needs x[t+1] and at least one label greedy[t+1]; positions past the end are invalid
         hi = np.maximum(lengths - 2, 0)
         lo = np.minimum(self.lo[rows], hi)
-        anc = np.stack([rng.integers(l, h + 1, size=anchors) for l, h in zip(lo, hi)])  # [B, N]
+        sets = self.train_anchors if split == "train" else None
+        anc = np.stack([rng.choice(sets[r], size=anchors) if sets is not None and len(sets.get(r, ())) else
+                        rng.integers(l, h + 1, size=anchors) for r, l, h in zip(rows.tolist(), lo, hi)])  # [B, N]
         return self.batch_at(rows, anc, span, tokens)
 
     def batch_at(self, rows: np.ndarray, anc: np.ndarray, span: int | None = None, tokens: bool = False):
@@ -383,6 +391,33 @@ def estimate_acceptance(model, batches: Batches, c: TrainConfig, n_batches: int 
     return res
 
 
+def walk_row(model, batches: Batches, r: int, chunk: int = 256) -> tuple[np.ndarray, np.ndarray]:
+    """Greedy serving replayed offline on row r's answer (see walk_acceptance): the anchors its passes
+    draft at, in order, and the accepted prefix k of each; empty where the row has no answer token to
+    draft for. Every anchor of the row is drafted in one batch per `chunk`; the model is in eval mode
+    and under no_grad (the caller's)."""
+    n = int(batches.src.lengths[r])
+    lo, last = int(batches.lo[r]), n - 3  # the last anchor with a label: t + 1 < n - 1
+    if last < lo:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    dev = model_device(model)
+    acc = []
+    for a in range(lo, last + 1, chunk):
+        anc = np.arange(a, min(a + chunk, last + 1))[None]
+        b = to_device(batches.batch_at(np.array([r]), anc), dev)
+        draft, _ = draft_greedy(model, b)
+        acc.append(accepted_lengths(draft, b["labels"], b["data_next"], b["valid"])[0].cpu().numpy())
+    acc = np.concatenate(acc)
+    path, ks = [], []
+    t = lo
+    while t <= last:
+        k = int(acc[t - lo])
+        path.append(t)
+        ks.append(k)
+        t += k + 1
+    return np.asarray(path, np.int64), np.asarray(ks, np.int64)
+
+
 def walk_acceptance(model, batches: Batches, rows: np.ndarray, chunk: int = 256) -> dict:
     """Greedy serving replayed offline on the cache's greedy answers: from each answer's start (the
     prefill's pass, which drafts nothing), a greedy block is drafted at the current anchor, its
@@ -390,37 +425,49 @@ def walk_acceptance(model, batches: Batches, rows: np.ndarray, chunk: int = 256)
     `estimate_acceptance` (blocks at anchors drawn uniformly over the answers, so a stretch the chain
     crosses in one pass weighs as much as one it crosses in five), this counts the passes serving
     makes: tau = answer tokens / passes, as `blockspec bench` reports it, and accept_hist over passes
-    (prefill in bin 0), as the bench's. Every anchor of a row is drafted in one batch per `chunk`."""
+    (prefill in bin 0), as the bench's (`walk_row` per row)."""
     import torch
 
-    P = model.args.n_predict
-    dev = model_device(model)
-    hist = np.zeros(P + 1, np.int64)
+    hist = np.zeros(model.args.n_predict + 1, np.int64)
     tokens = 0
     was = model.training
     model.eval()
     with torch.no_grad():
         for r in np.asarray(rows).tolist():
-            n = int(batches.src.lengths[r])
-            lo, last = int(batches.lo[r]), n - 3  # the last anchor with a label: t + 1 < n - 1
+            n, lo = int(batches.src.lengths[r]), int(batches.lo[r])
             if n - 1 - lo <= 0:
                 continue  # no answer token
             hist[0] += 1  # the prefill's pass: the first answer token
             tokens += n - 1 - lo
-            acc = []
-            for a in range(lo, last + 1, chunk):
-                anc = np.arange(a, min(a + chunk, last + 1))[None]
-                b = to_device(batches.batch_at(np.array([r]), anc), dev)
-                draft, _ = draft_greedy(model, b)
-                acc.append(accepted_lengths(draft, b["labels"], b["data_next"], b["valid"])[0].cpu().numpy())
-            acc = np.concatenate(acc) if acc else acc
-            t = lo
-            while t <= last:
-                k = int(acc[t - lo])
-                hist[k] += 1
-                t += k + 1
+            hist += np.bincount(walk_row(model, batches, r, chunk)[1], minlength=len(hist))
     model.train(was)
     return _walk_figures(hist, tokens)
+
+
+def serve_anchors(model, batches: Batches, rows: np.ndarray, path: Path, progress: bool = True) -> dict:
+    """{row: anchors greedy serving drafts at} for `rows` (`walk_row` with `model`), saved to `path`
+    (npz, written atomically) and loaded from it when it is there: `train --serve-anchors` draws its
+    training anchors from them."""
+    import torch
+    from tqdm import tqdm
+
+    rows = np.asarray(rows, np.int64)
+    if path.exists():
+        z = np.load(path)
+        off = z["offsets"]
+        return {int(r): z["anchors"][off[i]:off[i + 1]] for i, r in enumerate(z["rows"])}
+    was = model.training
+    model.eval()
+    paths = []
+    with torch.no_grad():
+        for r in tqdm(rows.tolist(), desc="serving walk over the training answers", disable=not progress):
+            paths.append(walk_row(model, batches, r)[0])
+    model.train(was)
+    offsets = np.concatenate([[0], np.cumsum([len(p) for p in paths])]).astype(np.int64)
+    tmp = path.with_name(path.name + ".tmp.npz")
+    np.savez(tmp, rows=rows, offsets=offsets, anchors=np.concatenate(paths) if paths else np.zeros(0, np.int64))
+    os.replace(tmp, path)
+    return dict(zip(rows.tolist(), paths))
 
 
 def _walk_figures(hist: np.ndarray, tokens: int) -> dict:
@@ -647,14 +694,22 @@ def train(c: TrainConfig, target=None, progress: bool = True, source=None) -> di
             model.grow_layers(c.n_layer)
         if c.anchor_input and not getattr(model.args, "anchor_input", True):
             model.add_anchor_input()
+        grown_layers = []
+        if c.target_layers and [int(x) for x in c.target_layers] != [int(x) for x in model.args.target_layers]:
+            try:
+                grown_layers = model.grow_target_layers(c.target_layers)
+            except ValueError as e:
+                raise BlockspecError(f"--target-layers with --init {c.init}: {e}") from None
         if c.repick_size and c.repick_size != model.args.draft_vocab_size:
             if not model.args.draft_vocab_size:
                 raise BlockspecError(f"--repick-size: --init {c.init} shares the target's head (no draft vocabulary)")
             model.args.draft_vocab_size = c.repick_size  # the re-pick below (or the resumed checkpoint) fills it
         margs = dataclasses.asdict(model.args)
         print(json.dumps(dict(init=c.init, block_size=model.args.block_size, n_layer=model.args.n_layer,
-                              draft_vocab=model.args.draft_vocab_size)), flush=True)
+                              draft_vocab=model.args.draft_vocab_size, target_layers=model.args.target_layers)),
+              flush=True)
     else:
+        grown_layers = []
         margs = make_model_args(c, target.args)
         model = build_model(margs)
     if source is None:
@@ -676,15 +731,22 @@ def train(c: TrainConfig, target=None, progress: bool = True, source=None) -> di
             model.vocab.set_vocab(d2t, target.head_weight)
         info["label_coverage"] = round(float(counts[d2t.numpy()].sum() / total), 4)
         print(json.dumps(info), flush=True)
-    if c.feature_scale and not c.no_target_features and not c.init:
+    if c.feature_scale and not c.no_target_features and (not c.init or grown_layers):
         # 1/RMS per feature dimension over up to 64 training rows, positions 1..len-1 (position 0
-        # carries the attention-sink outliers); a checkpoint resumed below keeps its own scale
+        # carries the attention-sink outliers); a fine-tune keeps its drafter's scale (folded into fc
+        # in a GGUF) and fits only the layers it grew; a checkpoint resumed below keeps its own scale
         n_train = max(1, int(len(source.lengths) * (1 - c.heldout_frac)))
         idx = np.random.default_rng(c.seed).permutation(n_train)[:64]
         feats, lengths = source.rows(idx)["feats"], source.lengths[idx]
         pos = np.arange(feats.shape[1])
+        keep = model.feat_scale.clone()
         model.fit_feature_scale(torch.from_numpy(
             feats[(pos[None] >= 1) & (pos[None] < lengths[:, None])].astype(np.float32)))
+        if c.init:  # only the grown layers' dimensions take the fitted scale
+            fitted = {lid: model.layer_scale(lid).clone() for lid in grown_layers}
+            model.feat_scale.copy_(keep)
+            for lid, sc in fitted.items():
+                model.set_layer_scale(lid, sc)
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 matmuls: training, not the bit-exact runtime
     model.to(device)
@@ -702,6 +764,10 @@ def train(c: TrainConfig, target=None, progress: bool = True, source=None) -> di
         print(f"resumed from {out} at step {step}")
     batches = Batches(source, model.args.n_predict, c.heldout_frac, c.seed + step)
     batches.require_heldout(c.data)
+    if c.serve_anchors:
+        out.mkdir(parents=True, exist_ok=True)
+        batches.train_anchors = serve_anchors(model, batches, batches.split["train"], out / "serve_anchors.npz",
+                                              progress)
     span = cross_block_shift(c, model.args.n_predict) + model.args.n_predict
     model.train()
     bar = tqdm(total=c.steps, initial=step, desc=f"train {c.method} ({device.type}, {c.precision})", disable=not progress)

@@ -520,3 +520,19 @@ def test_train_average_two_drafters(tmp_path):
     f = load_file(str(tmp_path / "f" / "drafter.safetensors"))
     for k, v in g.state_dict().items():
         torch.testing.assert_close(f[k], v)
+    # B reads one more tap (`train --init A --target-layers 1,2,3`): A's zero columns take B's scale, so the
+    # average's columns for it are w * B's under B's scale, the old taps' the plain average
+    t = load_checkpoint(tmp_path / "a")[0]
+    t.grow_target_layers([1, 2, 3])
+    with torch.no_grad():
+        t.set_layer_scale(2, torch.full((64,), 0.5))
+        t.fc.weight.normal_()
+    r = run_cli("train", "average", "--a", str(tmp_path / "a"), "--b", str(ckpt("t", t)), "--out", str(tmp_path / "h"),
+                "--weight", "0.25")
+    assert r.returncode == 0, r.output
+    h = load_file(str(tmp_path / "h" / "drafter.safetensors"))
+    wa, wt = a.fc.weight, t.fc.weight
+    torch.testing.assert_close(h["fc.weight"][:, 64:128], 0.25 * wt[:, 64:128])
+    torch.testing.assert_close(h["fc.weight"][:, :64], 0.75 * wa[:, :64] + 0.25 * wt[:, :64])
+    torch.testing.assert_close(h["fc.weight"][:, 128:], 0.75 * wa[:, 64:] + 0.25 * wt[:, 128:])
+    torch.testing.assert_close(h["feat_scale"][64:128], torch.full((64,), 0.5))

@@ -159,6 +159,43 @@ def test_trainer_reads_answers_only(smollm2_path, tmp_path):
     assert counts.sum() == sum(int(n - a) for n, a in zip(src.lengths, src.answer_start))
 
 
+def test_serve_anchors_follow_the_walk(smollm2_path, tmp_path):
+    """`train --serve-anchors`: the training blocks are anchored where the serving walk drafts (each
+    anchor the previous one plus its accepted prefix plus one, from the answer's start), the walk is
+    saved once and read back, and the held-out estimate keeps its uniform anchors."""
+    import torch
+
+    from blockspec.models.data import RaggedFeatures
+    from blockspec.models.target import load_target
+    from blockspec.models.train import Batches, load_drafter, serve_anchors, walk_acceptance, walk_row
+    from blockspec.runtime.engine.setup import shipped_drafter
+
+    out = tmp_path / "data"
+    _run(smollm2_path, _prompts_file(tmp_path, 4), out, max_new=24)
+    model, _ = load_drafter(shipped_drafter("specblock"), load_target(str(smollm2_path)))
+    src = RaggedFeatures.load(out, list(model.args.target_layers))
+    batches = Batches(src, model.args.n_predict, 0.25, seed=0)
+    rows = batches.split["train"]
+    sets = serve_anchors(model, batches, rows, tmp_path / "serve_anchors.npz", progress=False)
+    hist = np.zeros(model.args.n_predict + 1, np.int64)
+    for r in rows.tolist():
+        anc, ks = walk_row(model, batches, r)
+        assert np.array_equal(sets[r], anc) and anc[0] == batches.lo[r]
+        assert np.array_equal(anc[1:], anc[:-1] + ks[:-1] + 1) and anc[-1] <= src.lengths[r] - 3
+        hist += np.bincount(ks, minlength=len(hist))
+    hist[0] += len(rows)  # the prefills
+    assert walk_acceptance(model, batches, rows)["accept_hist"] == hist.tolist()
+    again = serve_anchors(None, batches, rows, tmp_path / "serve_anchors.npz")  # read back, nothing walked
+    assert all(np.array_equal(again[r], sets[r]) for r in rows.tolist())
+    batches.train_anchors = sets
+    b = batches.get_batch("train", 6, 8, rng=np.random.default_rng(3))
+    rows_drawn = np.random.default_rng(3).choice(rows, size=6, p=batches.row_p["train"])
+    for r, anc in zip(rows_drawn.tolist(), b["anchors"].numpy()):
+        assert set(anc.tolist()) <= set(sets[r].tolist())
+    held = batches.get_batch("heldout", 2, 16, rng=np.random.default_rng(3))["anchors"]
+    batches.train_anchors = None
+    assert torch.equal(held, batches.get_batch("heldout", 2, 16, rng=np.random.default_rng(3))["anchors"])
+
 def test_caches_read_together(smollm2_path, tmp_path):
     """`--data A,B`: two runs read as one cache, in order, each holding out its own prompts; a
     cache of other taps is refused with one line naming what differs."""

@@ -220,6 +220,35 @@ def test_grown_drafter_drafts_what_it_did_then_learns(name):
         m.grow_layers(1)
 
 
+@pytest.mark.parametrize("name", ["specblock", "dblast"])
+def test_drafter_grown_to_more_taps_drafts_what_it_did_then_learns(name):
+    """--init ... --target-layers: the new taps' fc columns start at zero (and their scale at one), so the
+    grown drafter's logits are the trained one's on the old taps, whatever the new ones hold; the new
+    columns train; the shape round-trips through its args; a list without the old taps is refused."""
+    m = make(name)
+    a = m.args
+    old = [int(x) for x in a.target_layers]
+    feats = torch.randn(1, 10, len(old) * TD)
+    with torch.no_grad():
+        m.feat_scale.uniform_(0.5, 2.0)  # a fitted scale follows its layer
+    anchors, last = torch.tensor([[2, 7]]), torch.randint(0, V, (1, 2))
+    before = m(feats, anchors, last).logits
+    new = [max(old) + 2, max(old) + 1] + old[::-1]  # new taps first, the old ones reversed
+    grown = m.grow_target_layers(new)
+    assert grown == [lid for lid in new if lid not in old] and m.args.target_layers == new
+    by_layer = {lid: feats[..., i * TD:(i + 1) * TD] for i, lid in enumerate(old)}
+    wide = torch.cat([by_layer.get(lid, torch.randn(1, 10, TD)) for lid in new], -1)
+    out = m(wide, anchors, last).logits
+    torch.testing.assert_close(out, before, atol=1e-5, rtol=1e-5)
+    assert all((m.layer_scale(lid) == 1).all() for lid in grown)
+    out.float().square().mean().backward()
+    assert m.fc.weight.grad[:, :len(grown) * TD].abs().sum() > 0
+    m2 = build_model(dataclasses.asdict(m.args))
+    m2.load_state_dict(m.state_dict())
+    with pytest.raises(ValueError, match="expected every one"):
+        m.grow_target_layers(new[1:])
+
+
 def test_dblast_anchor_input_starts_as_it_was_then_learns(tmp_path):
     """--anchor-input on a trained DBlast: the zero-initialised path leaves its drafts unchanged, the
     path trains, its shape round-trips through its args, and a GGUF export refuses it in one line."""

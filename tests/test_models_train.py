@@ -82,14 +82,19 @@ def test_overfit_checkpoint_resume(tiny, tmp_path, method, extra):
     train(cfg2, target=target, progress=False)
     assert json.loads((tmp_path / method / "drafter.json").read_text())["step"] == 70
     # fine-tune: --init starts a new run from the checkpoint's shape and weights, at step 0; a larger
-    # --n-layer grows it (the new layers start as the identity), a smaller one is refused
+    # --n-layer grows it (the new layers start as the identity), more --target-layers grow its input (the
+    # new tap at zero weight, its feature scale fitted, the old taps' kept), a smaller --n-layer is refused
     ft = TrainConfig(**{**cfg.__dict__, "steps": 5, "out": str(tmp_path / "ft"), "init": str(tmp_path / method),
-                        "n_layer": 3, "lr": 1e-9, "warmup": 0, "min_lr": 1e-9})
+                        "n_layer": 3, "lr": 1e-9, "warmup": 0, "min_lr": 1e-9, "target_layers": [1, 2, 3]})
     res_ft = train(ft, target=target, progress=False)
     tuned, meta_ft = load_drafter(tmp_path / "ft", target)
     init_args = json.loads((tmp_path / method / "drafter.json").read_text())["model_args"]
-    assert meta_ft["step"] == 5 and meta_ft["model_args"] == {**init_args, "n_layer": 3}
+    assert meta_ft["step"] == 5 and meta_ft["model_args"] == {**init_args, "n_layer": 3, "target_layers": [1, 2, 3]}
     assert len(tuned.layers) == 3
+    torch.testing.assert_close(tuned.layer_scale(1), model.layer_scale(1))
+    torch.testing.assert_close(tuned.layer_scale(3), model.layer_scale(3))
+    assert not torch.equal(tuned.layer_scale(2), torch.ones_like(tuned.layer_scale(2)))
+    assert tuned.fc.weight[:, 48:96].abs().max() < 1e-3  # layer 2's columns: zero, moved by a 1e-9 rate
     assert res_ft["accept"] > 0.5, res_ft  # kept what the init learnt (grown, a tiny learning rate)
     shrink = TrainConfig(**{**ft.__dict__, "init": str(tmp_path / "ft"), "n_layer": 2, "out": str(tmp_path / "shrink")})
     with pytest.raises(BlockspecError, match="--n-layer 2: .* has 3 layers"):
