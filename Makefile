@@ -1015,6 +1015,16 @@ train-specblock-s28: train-data-s20 $(S23A_GGUF)
 train-specblock-s28a: train-specblock-s28 $(S23A_GGUF)
 	$(call average_with_start,$(S23A_GGUF),specblock-s28)
 
+# Stage 29 (thirty-eighth session): stage 26's recipe with 23a's FFNs widened from 768 to 1,536 units (the target's
+# width; `--ffn-dim` with --init: the new units' outputs start at zero, so it drafts what 23a drafted); stage 26 is its
+# control.
+S29_SPECBLOCK_STEPS ?= 900
+.PHONY: train-specblock-s29 train-specblock-s29a
+train-specblock-s29: train-data-s20 $(S23A_GGUF)
+	$(call specblock_stage,$(S29_SPECBLOCK_STEPS),21,$(S23A_GGUF),specblock-s29,$(S20_DATA_DIR)$(,)$(S18_DATA_DIR),--precision bf16 --ffn-dim 1536)
+train-specblock-s29a: train-specblock-s29 $(S23A_GGUF)
+	$(call average_with_start,$(S23A_GGUF),specblock-s29)
+
 # bf16 against fp32 (thirty-fifth session): the same fine-tune of the shipped 23a, 300 steps on the stage-18 answers
 # on disk, seed 19, one thread each, side by side; then `train eval` of both on the evaluation set (`make
 # eval-precision-ab`). `--precision bf16` autocasts the step's matmuls (1.58x the steps/s of fp32 at this shape alone,

@@ -89,8 +89,8 @@ def load_checkpoint(path: str | os.PathLike):
 
 def average_drafters(a: str | os.PathLike, b: str | os.PathLike, out: str | os.PathLike, weight: float) -> Path:
     """Write (1 - weight) * A + weight * B as a checkpoint dir (a weight-space average of two drafters of
-    one shape, e.g. a fine-tune and the drafter it started from; an A with fewer layers or taps is first grown as
-    `train --n-layer` / `--target-layers` grows it, which is where a grown B started, and A's head rows follow B's re-picked draft
+    one shape, e.g. a fine-tune and the drafter it started from; an A with fewer layers, FFN units or taps is first grown as
+    `train --n-layer` / `--ffn-dim` / `--target-layers` grows it, which is where a grown B started, and A's head rows follow B's re-picked draft
     vocabulary, B's own rows where A lacks the token). BlockspecError,
     one line, for drafters that cannot be averaged; OUT is written whole or not at all."""
     import shutil
@@ -102,7 +102,9 @@ def average_drafters(a: str | os.PathLike, b: str | os.PathLike, out: str | os.P
         raise BlockspecError(f"--weight {weight}: expected 0..1")
     (ma, _), (mb, _) = load_checkpoint(a), load_checkpoint(b)
     if dataclasses.replace(ma.args, n_layer=mb.args.n_layer, draft_vocab_size=mb.args.draft_vocab_size,
-                           target_layers=mb.args.target_layers) == mb.args:
+                           target_layers=mb.args.target_layers, ffn_dim=mb.args.ffn_dim) == mb.args:
+        if ma.args.ffn_dim < mb.args.ffn_dim:
+            ma.grow_ffn(mb.args.ffn_dim, like=mb)  # B widened from A (`--ffn-dim`): A's new units are B's, muted
         if ma.args.n_layer < mb.args.n_layer:
             ma.grow_layers(mb.args.n_layer)  # B grew from A (`--init A --n-layer`): A as B started from it
         if set(ma.args.target_layers) < set(mb.args.target_layers):

@@ -251,6 +251,27 @@ class BlockDrafter(nn.Module):
         self.args.n_layer = int(n_layer)
 
     @torch.no_grad()
+    def grow_ffn(self, ffn_dim: int, like: "BlockDrafter | None" = None) -> None:
+        """Widen every layer's FFN to `ffn_dim` hidden units: the new gate/up rows drawn at the scale of
+        the trained ones (or `like`'s rows, a drafter widened from this one), the new down-projection
+        columns zero, so the widened drafter drafts exactly what it did."""
+        if ffn_dim < self.args.ffn_dim:
+            raise ValueError(f"ffn_dim {ffn_dim}: the drafter's FFN already has {self.args.ffn_dim} units")
+        old = self.args.ffn_dim
+        for i, layer in enumerate(self.layers):
+            f = layer.ffn
+            grown = MLP(f.gate_proj.in_features, ffn_dim).to(f.gate_proj.weight.device)
+            for name in ("gate_proj", "up_proj"):
+                w, g = getattr(f, name).weight, getattr(grown, name).weight
+                g[:old] = w
+                src = getattr(like.layers[i].ffn, name).weight[old:ffn_dim] if like is not None else None
+                g[old:] = src if src is not None else torch.randn_like(g[old:]) * w.std()
+            grown.down_proj.weight.zero_()
+            grown.down_proj.weight[:, :old] = f.down_proj.weight
+            layer.ffn = grown
+        self.args.ffn_dim = int(ffn_dim)
+
+    @torch.no_grad()
     def grow_target_layers(self, target_layers: list[int]) -> list[int]:
         """Read the taps `target_layers` (a superset of the drafter's, in the order given) from now on.
         fc's columns for the new layers start at zero (the drafter drafts exactly what it did) and

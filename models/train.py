@@ -65,7 +65,8 @@ class TrainConfig:
     max_len: int = _opt(384, "on-the-fly: tokens per sequence window")
     n_layer: int = _opt(0, "drafter layers (0: 2, or with --init its own; a larger --n-layer grows it: new "
                            "layers start as copies of its last with their outputs zeroed)")
-    ffn_dim: int = _opt(0, "drafter FFN width (0: the target's)")
+    ffn_dim: int = _opt(0, "drafter FFN width (0: the target's, or the --init drafter's; with --init a larger one "
+                           "widens it: the new units' outputs start at zero)")
     block_size: int = _opt(0, "tokens per block (0: the method's default, specblock K=4, dblast B=5)")
     draft_vocab_size: int = _opt(8192, "draft vocabulary size (0: share the target's head)")
     target_layers: list = _opt([], "comma-separated target layer-input ids the drafter reads "
@@ -115,7 +116,7 @@ class TrainConfig:
     init: str = _opt("", "fine-tune: start from this drafter (checkpoint dir or GGUF), its shape, draft "
                          "vocabulary and weights (the size options are then ignored, but --block-size "
                          "resizes its block: SpecBlock's new position queries start as its last one; "
-                         "--n-layer grows its layers, --target-layers its taps)")
+                         "--n-layer grows its layers, --ffn-dim its FFN width, --target-layers its taps)")
     repick_vocab: bool = _opt(False, "with --init: re-pick the draft vocabulary (same size) from this data's "
                                      "answers; kept tokens keep their trained head rows, new ones start at the "
                                      "trained rows' mean plus half the target's row")
@@ -694,6 +695,11 @@ def train(c: TrainConfig, target=None, progress: bool = True, source=None) -> di
             model.grow_layers(c.n_layer)
         if c.anchor_input and not getattr(model.args, "anchor_input", True):
             model.add_anchor_input()
+        if c.ffn_dim and c.ffn_dim != model.args.ffn_dim:
+            if c.ffn_dim < model.args.ffn_dim:
+                raise BlockspecError(f"--ffn-dim {c.ffn_dim}: --init {c.init} has {model.args.ffn_dim} FFN units "
+                                     f"(a fine-tune keeps them or widens them)")
+            model.grow_ffn(c.ffn_dim)
         grown_layers = []
         if c.target_layers and [int(x) for x in c.target_layers] != [int(x) for x in model.args.target_layers]:
             try:
@@ -706,7 +712,8 @@ def train(c: TrainConfig, target=None, progress: bool = True, source=None) -> di
             model.args.draft_vocab_size = c.repick_size  # the re-pick below (or the resumed checkpoint) fills it
         margs = dataclasses.asdict(model.args)
         print(json.dumps(dict(init=c.init, block_size=model.args.block_size, n_layer=model.args.n_layer,
-                              draft_vocab=model.args.draft_vocab_size, target_layers=model.args.target_layers)),
+                              ffn_dim=model.args.ffn_dim, draft_vocab=model.args.draft_vocab_size,
+                              target_layers=model.args.target_layers)),
               flush=True)
     else:
         grown_layers = []

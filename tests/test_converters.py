@@ -536,3 +536,18 @@ def test_train_average_two_drafters(tmp_path):
     torch.testing.assert_close(h["fc.weight"][:, :64], 0.75 * wa[:, :64] + 0.25 * wt[:, :64])
     torch.testing.assert_close(h["fc.weight"][:, 128:], 0.75 * wa[:, 64:] + 0.25 * wt[:, 128:])
     torch.testing.assert_close(h["feat_scale"][64:128], torch.full((64,), 0.5))
+    # B widened from A (`train --init A --ffn-dim`): A's new units take B's gate/up rows (their outputs are
+    # zero in A), so the average's are B's, its down columns w * B's
+    u = load_checkpoint(tmp_path / "a")[0]
+    u.grow_ffn(a.args.ffn_dim + 32)
+    with torch.no_grad():
+        for p in u.parameters():
+            p.add_(torch.randn_like(p))
+    r = run_cli("train", "average", "--a", str(tmp_path / "a"), "--b", str(ckpt("u", u)), "--out", str(tmp_path / "k"),
+                "--weight", "0.25")
+    assert r.returncode == 0, r.output
+    k, n = load_file(str(tmp_path / "k" / "drafter.safetensors")), a.args.ffn_dim
+    ub, ua = u.layers[0].ffn, a.layers[0].ffn
+    torch.testing.assert_close(k["layers.0.ffn.gate_proj.weight"][n:], ub.gate_proj.weight[n:])
+    torch.testing.assert_close(k["layers.0.ffn.down_proj.weight"][:, n:], 0.25 * ub.down_proj.weight[:, n:])
+    torch.testing.assert_close(k["layers.0.ffn.up_proj.weight"][:n], 0.75 * ua.up_proj.weight + 0.25 * ub.up_proj.weight[:n])

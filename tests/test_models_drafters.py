@@ -218,6 +218,19 @@ def test_grown_drafter_drafts_what_it_did_then_learns(name):
     m2.load_state_dict(m.state_dict())  # the grown shape round-trips through its own args
     with pytest.raises(ValueError, match="already has"):
         m.grow_layers(1)
+    # --ffn-dim: wider FFNs whose new units' outputs start at zero, then train
+    m.zero_grad()
+    before = m(feats, anchors, last).logits
+    ffn = m.args.ffn_dim
+    m.grow_ffn(ffn + 24)
+    assert all(layer.ffn.gate_proj.weight.shape[0] == ffn + 24 for layer in m.layers)
+    out = m(feats, anchors, last).logits
+    torch.testing.assert_close(out, before, atol=1e-5, rtol=1e-5)
+    out.float().square().mean().backward()
+    assert m.layers[0].ffn.down_proj.weight.grad[:, ffn:].abs().sum() > 0
+    build_model(dataclasses.asdict(m.args)).load_state_dict(m.state_dict())
+    with pytest.raises(ValueError, match="already has"):
+        m.grow_ffn(ffn)
 
 
 @pytest.mark.parametrize("name", ["specblock", "dblast"])

@@ -84,12 +84,15 @@ def test_overfit_checkpoint_resume(tiny, tmp_path, method, extra):
     # fine-tune: --init starts a new run from the checkpoint's shape and weights, at step 0; a larger
     # --n-layer grows it (the new layers start as the identity), more --target-layers grow its input (the
     # new tap at zero weight, its feature scale fitted, the old taps' kept), a smaller --n-layer is refused
+    init_args = json.loads((tmp_path / method / "drafter.json").read_text())["model_args"]
+    wide = init_args["ffn_dim"] + 16
     ft = TrainConfig(**{**cfg.__dict__, "steps": 5, "out": str(tmp_path / "ft"), "init": str(tmp_path / method),
-                        "n_layer": 3, "lr": 1e-9, "warmup": 0, "min_lr": 1e-9, "target_layers": [1, 2, 3]})
+                        "n_layer": 3, "lr": 1e-9, "warmup": 0, "min_lr": 1e-9, "target_layers": [1, 2, 3],
+                        "ffn_dim": wide})
     res_ft = train(ft, target=target, progress=False)
     tuned, meta_ft = load_drafter(tmp_path / "ft", target)
-    init_args = json.loads((tmp_path / method / "drafter.json").read_text())["model_args"]
-    assert meta_ft["step"] == 5 and meta_ft["model_args"] == {**init_args, "n_layer": 3, "target_layers": [1, 2, 3]}
+    assert meta_ft["step"] == 5
+    assert meta_ft["model_args"] == {**init_args, "n_layer": 3, "target_layers": [1, 2, 3], "ffn_dim": wide}
     assert len(tuned.layers) == 3
     torch.testing.assert_close(tuned.layer_scale(1), model.layer_scale(1))
     torch.testing.assert_close(tuned.layer_scale(3), model.layer_scale(3))
@@ -99,6 +102,9 @@ def test_overfit_checkpoint_resume(tiny, tmp_path, method, extra):
     shrink = TrainConfig(**{**ft.__dict__, "init": str(tmp_path / "ft"), "n_layer": 2, "out": str(tmp_path / "shrink")})
     with pytest.raises(BlockspecError, match="--n-layer 2: .* has 3 layers"):
         train(shrink, target=target, progress=False)
+    narrow = TrainConfig(**{**ft.__dict__, "init": str(tmp_path / "ft"), "ffn_dim": 8, "out": str(tmp_path / "narrow")})
+    with pytest.raises(BlockspecError, match=f"--ffn-dim 8: .* has {wide} FFN units"):
+        train(narrow, target=target, progress=False)
     bad = TrainConfig(**{**ft.__dict__, "method": "dblast" if method == "specblock" else "specblock",
                          "out": str(tmp_path / "bad")})
     with pytest.raises(BlockspecError, match="drafter, not"):
