@@ -842,6 +842,21 @@ train-data-s20: setup
 	mkdir -p $(TRAIN_DIR)
 	$(call data_workers,$(SMOLLM2),$(S20_DATA_DIR),sharegpt:9600$(,)pycode$(,)sharegpt:12700$(,)pycode-more$(,)sharegpt:16200,$(S20_PROMPTS),64,data-s20,--max-prompt 512 --sample-frac 1 --seed 6)
 
+# Stage-21 prompts and data (thirty-eighth session): fresh prompts written by the target itself (`train prompts`: its
+# chat template up to a user's turn, sampled at T = 1; duplicates and evaluation prompts dropped), since ShareGPT's
+# first and second questions are spent; answered as every fresh-prompt stage was (a quarter sampled, the rest greedy).
+S21_PROMPTS_FILE = $(TRAIN_DIR)/prompts-self-s21.jsonl
+S21_DATA_DIR = $(TRAIN_DIR)/data-smollm2-s21
+S21_PROMPTS ?= 5000
+S21_ANSWERED ?= $(S21_PROMPTS)
+.PHONY: train-prompts-s21 train-data-s21
+train-prompts-s21: setup
+	mkdir -p $(TRAIN_DIR)
+	$(TRAIN) prompts --target $(SMOLLM2) --out $(S21_PROMPTS_FILE) --n-prompts $(S21_PROMPTS) --seed 21 \
+		--threads $(STAGE_THREADS) >> $(TRAIN_DIR)/prompts-s21.log 2>&1
+train-data-s21: train-prompts-s21
+	$(call data_workers,$(SMOLLM2),$(S21_DATA_DIR),$(S21_PROMPTS_FILE),$(S21_ANSWERED),64,data-s21,--seed 7)
+
 # Stage 21 (thirtieth session): the shipped 20a fine-tuned on stage 16's and stage 17's answers together (twice the
 # answers stage 20 saw), a fresh cosine schedule and batch seed, then averaged with 20a (w 0.5).
 # As run: 1,800 steps in 67 min, one thread, beside one stage-18 data worker; held-out (both caches' greedy tenths)
@@ -998,6 +1013,9 @@ train-dblast-s19a: train-dblast-s19 $(DBLAST_S16A_GGUF)
 # Stage 27 (thirty-eighth session): stage 26's recipe (23a + 900 steps on stage 20 + the stage-18 answers, seed 21, bf16)
 # with the training anchors drawn where greedy serving drafts (`--serve-anchors`: 23a's walk over the training answers,
 # computed once at the start and saved in the run's folder), not uniformly over the answers; stage 26 is its control.
+# As run (`make -o setup -o train-data-s20 -o train-data-s18 train-specblock-s27a STAGE_THREADS=2`, alone, 12 min of walk
+# over 4,365 training rows, then 900 steps in 19 min): serving walk on the evaluation set 1.973 (26: 1.970), 27a 2.009
+# (26a: 2.005), passes accepting 55.4% (55.2%). Flat: not benched, not shipped.
 S27_SPECBLOCK_STEPS ?= 900
 .PHONY: train-specblock-s27 train-specblock-s27a
 train-specblock-s27: train-data-s20 $(S23A_GGUF)
@@ -1008,6 +1026,7 @@ train-specblock-s27a: train-specblock-s27 $(S23A_GGUF)
 # Stage 28 (thirty-eighth session): stage 26's recipe with SpecBlock reading all five taps the caches hold (layer inputs
 # 1, 8, 15, 22, 29, as DBlast does) instead of three (1, 15, 29): `--target-layers` grows 23a's input, the new taps'
 # weights starting at zero (it drafts what 23a drafted) and their feature scale fitted on the data; stage 26 is its control.
+# As run (`... train-specblock-s28a STAGE_THREADS=2`, alone, 17 min): walk 1.971 (26: 1.970), 28a 2.006 (26a: 2.005). Flat.
 S28_SPECBLOCK_STEPS ?= 900
 .PHONY: train-specblock-s28 train-specblock-s28a
 train-specblock-s28: train-data-s20 $(S23A_GGUF)
@@ -1018,12 +1037,22 @@ train-specblock-s28a: train-specblock-s28 $(S23A_GGUF)
 # Stage 29 (thirty-eighth session): stage 26's recipe with 23a's FFNs widened from 768 to 1,536 units (the target's
 # width; `--ffn-dim` with --init: the new units' outputs start at zero, so it drafts what 23a drafted); stage 26 is its
 # control.
+# As run (`... train-specblock-s29a STAGE_THREADS=2`, alone, 19 min): walk 1.972 (26: 1.970), 29a 2.005 (26a: 2.005). Flat.
 S29_SPECBLOCK_STEPS ?= 900
 .PHONY: train-specblock-s29 train-specblock-s29a
 train-specblock-s29: train-data-s20 $(S23A_GGUF)
 	$(call specblock_stage,$(S29_SPECBLOCK_STEPS),21,$(S23A_GGUF),specblock-s29,$(S20_DATA_DIR)$(,)$(S18_DATA_DIR),--precision bf16 --ffn-dim 1536)
 train-specblock-s29a: train-specblock-s29 $(S23A_GGUF)
 	$(call average_with_start,$(S23A_GGUF),specblock-s29)
+
+# Stage 30 (thirty-eighth session): the target-written prompts' answers (stage-21 data) with stage 20's, stage 26's
+# recipe otherwise (23a + 900 steps, seed 21, bf16, averaged with 23a); 26 / 26a are the nearest control.
+S30_SPECBLOCK_STEPS ?= 900
+.PHONY: train-specblock-s30 train-specblock-s30a
+train-specblock-s30: train-data-s21 $(S23A_GGUF)
+	$(call specblock_stage,$(S30_SPECBLOCK_STEPS),21,$(S23A_GGUF),specblock-s30,$(S21_DATA_DIR)$(,)$(S20_DATA_DIR),--precision bf16)
+train-specblock-s30a: train-specblock-s30 $(S23A_GGUF)
+	$(call average_with_start,$(S23A_GGUF),specblock-s30)
 
 # bf16 against fp32 (thirty-fifth session): the same fine-tune of the shipped 23a, 300 steps on the stage-18 answers
 # on disk, seed 19, one thread each, side by side; then `train eval` of both on the evaluation set (`make

@@ -157,6 +157,23 @@ def data_cmd(target, sources, out, layers, **opts):
     click.echo(json.dumps(summary))
 
 
+@train.command("prompts")
+@click.option("--target", required=True, type=click.Path(exists=True), help="target GGUF with a chat template")
+@click.option("--out", required=True, type=click.Path(), help="prompts JSONL (resumed if present)")
+@click.option("--n-prompts", default=1000, show_default=True, help="questions in the file when done")
+@click.option("--n-parallel", default=32, show_default=True, help="questions decoded together per batch")
+@click.option("--max-new", default=128, show_default=True, help="tokens per question at most (longer: dropped)")
+@click.option("--seed", default=0, show_default=True, help="sampling seed (per question: seed, attempt)")
+@click.option("--threads", default=0, show_default=True, help="llama.cpp threads (0: all cores)")
+def prompts_cmd(target, out, n_prompts, **opts):
+    """Fresh training prompts written by the target: given its chat template up to a user's turn, an
+    instruct model writes a user's question (T = 1); duplicates and evaluation prompts are dropped.
+    `train data --prompts FILE` answers them."""
+    from .self_prompts import generate_prompts
+
+    click.echo(json.dumps(generate_prompts(target, out, n_prompts, **opts)))
+
+
 @train.command("eval")
 @click.option("--drafter", required=True, type=click.Path(exists=True), help="checkpoint dir or drafter GGUF")
 @click.option("--data", required=True, help="self-distilled cache (`train data`); several, comma-separated, read as one")

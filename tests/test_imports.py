@@ -12,9 +12,9 @@ ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {"runtime": "blockspec.runtime", "models": "blockspec.models", "converters": "blockspec.converters"}
 
 # Layers, lowest first: a module may import its own layer and those below (never above).
-# The tools that drive llama.cpp or register commands (training data engine, parity reference,
-# the train/convert CLIs) stand with the front ends.
-TOP = ("blockspec.models.cli", "blockspec.models.data_engine", "blockspec.models.parity",
+# The tools that drive llama.cpp or register commands (training data engine and its prompt writer,
+# parity reference, the train/convert CLIs) stand with the front ends.
+TOP = ("blockspec.models.cli", "blockspec.models.data_engine", "blockspec.models.self_prompts", "blockspec.models.parity",
        "blockspec.models.blockpilot_data", "blockspec.models.blockpilot_train", "blockspec.converters.cli")
 LAYERS = [
     ("format/errors", ("blockspec.runtime.errors", "blockspec.runtime.format")),
