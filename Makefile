@@ -845,6 +845,10 @@ train-data-s20: setup
 # Stage-21 prompts and data (thirty-eighth session): fresh prompts written by the target itself (`train prompts`: its
 # chat template up to a user's turn, sampled at T = 1; duplicates and evaluation prompts dropped), since ShareGPT's
 # first and second questions are spent; answered as every fresh-prompt stage was (a quarter sampled, the rest greedy).
+# As run (thirty-eighth session, beside `make test`): `make -o setup train-prompts-s21 S21_PROMPTS=2000`, stopped at 1,060
+# questions (1,149 attempts begun, 1.3-1.8 questions/s at one thread); `make -o setup -o train-prompts-s21 train-data-s21
+# S21_ANSWERED=1060`, stopped after 17 min for stage 30: 472 prompts answered, 98,361 answer tokens, 55 answer tok/s per
+# worker, no evaluation prompt met. Both resume where they stopped.
 S21_PROMPTS_FILE = $(TRAIN_DIR)/prompts-self-s21.jsonl
 S21_DATA_DIR = $(TRAIN_DIR)/data-smollm2-s21
 S21_PROMPTS ?= 5000
@@ -1047,6 +1051,8 @@ train-specblock-s29a: train-specblock-s29 $(S23A_GGUF)
 
 # Stage 30 (thirty-eighth session): the target-written prompts' answers (stage-21 data) with stage 20's, stage 26's
 # recipe otherwise (23a + 900 steps, seed 21, bf16, averaged with 23a); 26 / 26a are the nearest control.
+# As run (`make -o setup -o train-data-s21 -o train-data-s20 train-specblock-s30a STAGE_THREADS=2`, alone, 19 min, on the
+# pilot's 472 answers): walk 1.963 (26: 1.970), 30a 2.007 (26a: 2.005). Flat at 98k fresh answer tokens.
 S30_SPECBLOCK_STEPS ?= 900
 .PHONY: train-specblock-s30 train-specblock-s30a
 train-specblock-s30: train-data-s21 $(S23A_GGUF)
