@@ -272,6 +272,22 @@ def file_sha(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
+def stop_on_signals() -> None:
+    """Ctrl-C or a kill (SIGTERM; SIGINT too, which a shell ignores in background jobs) raises
+    KeyboardInterrupt, so a long data run stops cleanly (from the main thread only)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def _stop(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+
+
 def run_engine(target_path: str | os.PathLike, sources: Sequence[str], out_dir: str | os.PathLike,
                layers: Sequence[int], cfg: EngineConfig = EngineConfig(), progress: bool = True) -> dict:
     """Answer `cfg.n_prompts` training prompts with the target and cache features + log-probs.
@@ -341,17 +357,7 @@ def run_engine(target_path: str | os.PathLike, sources: Sequence[str], out_dir: 
             if idx % cfg.workers == cfg.worker:
                 yield idx, toks
 
-    import signal
-    import threading
-
-    if threading.current_thread() is threading.main_thread():
-        # Ctrl-C or a kill (SIGTERM; SIGINT too, which a shell ignores in background jobs) stops
-        # the run cleanly: finished answers are written, the ones in flight are redone on resume
-        def _stop(signum, frame):
-            raise KeyboardInterrupt
-
-        signal.signal(signal.SIGTERM, _stop)
-        signal.signal(signal.SIGINT, _stop)
+    stop_on_signals()  # finished answers are written, the ones in flight are redone on resume
     todo = prompts()
     bar = tqdm(total=cfg.n_prompts, initial=len(writer.done), unit="prompt", desc="self-distill",
                disable=not progress, mininterval=2.0)

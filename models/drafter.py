@@ -264,8 +264,8 @@ class BlockDrafter(nn.Module):
             for name in ("gate_proj", "up_proj"):
                 w, g = getattr(f, name).weight, getattr(grown, name).weight
                 g[:old] = w
-                src = getattr(like.layers[i].ffn, name).weight[old:ffn_dim] if like is not None else None
-                g[old:] = src if src is not None else torch.randn_like(g[old:]) * w.std()
+                g[old:] = (getattr(like.layers[i].ffn, name).weight[old:ffn_dim] if like is not None
+                           else torch.randn_like(g[old:]) * w.std())
             grown.down_proj.weight.zero_()
             grown.down_proj.weight[:, :old] = f.down_proj.weight
             layer.ffn = grown

@@ -62,6 +62,7 @@ def generate_prompts(target_path: str | os.PathLike, out: str | os.PathLike, n_p
     from blockspec.runtime.llama.target import Target, TargetConfig
 
     from .data import _norm, eval_prompts
+    from .data_engine import stop_on_signals
 
     path = Path(out)
     rows, end = _read_done(path)
@@ -76,23 +77,16 @@ def generate_prompts(target_path: str | os.PathLike, out: str | os.PathLike, n_p
         return dict(out=str(path), prompts=len(rows), new=0, **stats)
     target = Target(target_path, TargetConfig(n_ctx=n_parallel * (max_new + 64), n_batch=max(64, n_parallel),
                                               n_seq_max=n_parallel, n_threads=threads or None, kv_unified=False))
-    import signal
-    import threading
-
-    if threading.current_thread() is threading.main_thread():  # a kill stops it as Ctrl-C does (as `train data`)
-        def _stop(signum, frame):
-            raise KeyboardInterrupt
-
-        signal.signal(signal.SIGTERM, _stop)
-    sp = SamplingParams(temperature=1.0)
     prefix = user_turn_prefix(target)
-    if len(prefix) + max_new + 1 > max_new + 64:
+    if len(prefix) > 63:  # each sequence's context holds max_new + 64 tokens
         target.close()
         raise BlockspecError(f"{target.path.name}: the user-turn prefix is {len(prefix)} tokens (at most 63)")
+    stop_on_signals()  # every written line is whole; the questions in flight are dropped
+    sp = SamplingParams(temperature=1.0)
     bar = tqdm(total=n_prompts, initial=len(rows), unit="prompt", desc="target-written prompts", disable=not progress)
     slots: dict[int, dict] = {}  # seq -> {attempt, rng, tokens}
     free = list(range(n_parallel))[::-1]
-    t0, n_new, n_tok = time.time(), 0, 0
+    t0, n_tok = time.time(), 0
 
     def keep(slot: dict, ended: bool) -> None:
         text = target.detokenize(slot["tokens"]).strip() if slot["tokens"] else ""
@@ -139,10 +133,9 @@ def generate_prompts(target_path: str | os.PathLike, out: str | os.PathLike, n_p
                 step(s, logits[i])
             bar.set_postfix_str(f"{n_tok / (time.time() - t0):.0f} tok/s")
     except KeyboardInterrupt:
-        pass  # every written line is whole; the questions in flight are dropped
+        pass
     finally:
         bar.close()
         target.close()
-    n_new = len(rows) - stats["done_before"]
-    return dict(out=str(path), prompts=len(rows), new=n_new, tok_per_s=round(n_tok / max(1e-9, time.time() - t0), 1),
+    return dict(out=str(path), prompts=len(rows), new=len(rows) - stats["done_before"], tok_per_s=round(n_tok / max(1e-9, time.time() - t0), 1),
                 **stats)
