@@ -89,6 +89,8 @@ def generate_prompts(target_path: str | os.PathLike, out: str | os.PathLike, n_p
     t0, n_tok = time.time(), 0
 
     def keep(slot: dict, ended: bool) -> None:
+        if len(rows) >= n_prompts:  # the last batch's other questions: past the count asked for
+            return
         text = target.detokenize(slot["tokens"]).strip() if slot["tokens"] else ""
         key = _norm(text)
         why = ("too_long" if not ended else "empty" if not key else "eval_dropped" if key in banned
