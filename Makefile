@@ -849,6 +849,11 @@ train-data-s20: setup
 # questions (1,149 attempts begun, 1.3-1.8 questions/s at one thread); `make -o setup -o train-prompts-s21 train-data-s21
 # S21_ANSWERED=1060`, stopped after 17 min for stage 30: 472 prompts answered, 98,361 answer tokens, 55 answer tok/s per
 # worker, no evaluation prompt met. Both resume where they stopped.
+# As run (thirty-ninth session, alone): `make -o setup train-prompts-s21 S21_PROMPTS=5000 STAGE_THREADS=2` (two legs,
+# 3,000 then 5,000): 3,940 new questions in 15.5 min, 4.3 questions/s, 221 over --max-new and 23 duplicates dropped, no
+# evaluation prompt met; `make -o setup -o train-prompts-s21 train-data-s21`, stopped (Ctrl-C) after 59 min for stage 31:
+# 4,097 of 5,000 prompts answered, 66 shards, 6.2 GB, 1,122,351 tokens with features, 870,037 answer tokens, 107 answer
+# tok/s per worker. The same command answers the rest.
 S21_PROMPTS_FILE = $(TRAIN_DIR)/prompts-self-s21.jsonl
 S21_DATA_DIR = $(TRAIN_DIR)/data-smollm2-s21
 S21_PROMPTS ?= 5000
@@ -923,7 +928,7 @@ train-dblast-s16: train-data-s17 train-data-s18 $(DBLAST_S13A_GGUF)
 train-dblast-s16a: train-dblast-s16 $(DBLAST_S13A_GGUF)
 	$(call average_with_start,$(DBLAST_S13A_GGUF),dblast-s16)
 
-S23A_GGUF = $(TRAIN_DIR)/specblock-s23a-ad8bc00.q8_0.gguf  # the shipped SpecBlock, from git: the start of the next stage
+S23A_GGUF = $(TRAIN_DIR)/specblock-s23a-ad8bc00.q8_0.gguf  # SpecBlock 23a (shipped in sessions 32-38), from git: the start of stages 24-32
 $(S23A_GGUF):
 	$(call git_gguf,ad8bc00,specblock)
 DBLAST_S16A_GGUF = $(TRAIN_DIR)/dblast-s16a-7664bb3.q8_0.gguf  # the shipped DBlast, likewise
@@ -1060,6 +1065,25 @@ train-specblock-s30: train-data-s21 $(S23A_GGUF)
 train-specblock-s30a: train-specblock-s30 $(S23A_GGUF)
 	$(call average_with_start,$(S23A_GGUF),specblock-s30)
 
+# Stage 31 (thirty-ninth session): stage 30's recipe (23a + 900 steps, seed 21, bf16, averaged with 23a) on the stage-21
+# answers once the questions reached 5,000 and about 3,000 of them were answered (six times stage 30's fresh tokens),
+# with stage 20's; stage 30 is its control for data size.
+S31_SPECBLOCK_STEPS ?= 900
+.PHONY: train-specblock-s31 train-specblock-s31a
+train-specblock-s31: train-data-s21 $(S23A_GGUF)
+	$(call specblock_stage,$(S31_SPECBLOCK_STEPS),21,$(S23A_GGUF),specblock-s31,$(S21_DATA_DIR)$(,)$(S20_DATA_DIR),--precision bf16)
+train-specblock-s31a: train-specblock-s31 $(S23A_GGUF)
+	$(call average_with_start,$(S23A_GGUF),specblock-s31)
+
+# Stage 32 (thirty-ninth session): stage 31's fine-tune (its checkpoint, not the average) trained 900 steps more on the
+# same data (fresh cosine, batch seed 22): does the larger stage-21 data still reward more steps? Averaged with 23a.
+S32_SPECBLOCK_STEPS ?= 900
+.PHONY: train-specblock-s32 train-specblock-s32a
+train-specblock-s32: train-specblock-s31
+	$(call specblock_stage,$(S32_SPECBLOCK_STEPS),22,$(TRAIN_DIR)/specblock-s31,specblock-s32,$(S21_DATA_DIR)$(,)$(S20_DATA_DIR),--precision bf16)
+train-specblock-s32a: train-specblock-s32 $(S23A_GGUF)
+	$(call average_with_start,$(S23A_GGUF),specblock-s32)
+
 # bf16 against fp32 (thirty-fifth session): the same fine-tune of the shipped 23a, 300 steps on the stage-18 answers
 # on disk, seed 19, one thread each, side by side; then `train eval` of both on the evaluation set (`make
 # eval-precision-ab`). `--precision bf16` autocasts the step's matmuls (1.58x the steps/s of fp32 at this shape alone,
@@ -1076,9 +1100,9 @@ eval-precision-ab: eval-set
 		$(TRAIN) eval --drafter $(TRAIN_DIR)/$$d --data $(EVAL_DIR) --target $(SMOLLM2) --batches 64 --by-source \
 			> $(TRAIN_DIR)/eval-$$d.json || exit 1; done
 
-drafters: train-specblock-s23a train-dblast-s16a  # the shipped SpecBlock is stage 23a, the shipped DBlast its stage 16a
+drafters: train-specblock-s32a train-dblast-s16a  # the shipped SpecBlock is stage 32a, the shipped DBlast its stage 16a
 	mkdir -p $(DRAFTERS_DIR)
-	for d in specblock-s23a dblast-s16a; do \
+	for d in specblock-s32a dblast-s16a; do \
 		$(VENV)/bin/blockspec convert drafter $(TRAIN_DIR)/$$d $(DRAFTERS_DIR)/smollm2-135m-$${d%-*}.q8_0.gguf \
 			--outtype q8_0 --target $(SMOLLM2) || exit 1; done
 
