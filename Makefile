@@ -853,7 +853,8 @@ train-data-s20: setup
 # 3,000 then 5,000): 3,940 new questions in 15.5 min, 4.3 questions/s, 221 over --max-new and 23 duplicates dropped, no
 # evaluation prompt met; `make -o setup -o train-prompts-s21 train-data-s21`, stopped (Ctrl-C) after 59 min for stage 31:
 # 4,097 of 5,000 prompts answered, 66 shards, 6.2 GB, 1,122,351 tokens with features, 870,037 answer tokens, 107 answer
-# tok/s per worker. The same command answers the rest.
+# tok/s per worker. The same command answers the rest: done in the fortieth session (15 min, 903 prompts; all 5,000 now,
+# 1,065,494 answer tokens, 7.6 GB). Stages 31-32 (the shipped 32a) saw the first 4,097: `S21_ANSWERED=4100`.
 S21_PROMPTS_FILE = $(TRAIN_DIR)/prompts-self-s21.jsonl
 S21_DATA_DIR = $(TRAIN_DIR)/data-smollm2-s21
 S21_PROMPTS ?= 5000
@@ -1083,6 +1084,29 @@ train-specblock-s32: train-specblock-s31
 	$(call specblock_stage,$(S32_SPECBLOCK_STEPS),22,$(TRAIN_DIR)/specblock-s31,specblock-s32,$(S21_DATA_DIR)$(,)$(S20_DATA_DIR),--precision bf16)
 train-specblock-s32a: train-specblock-s32 $(S23A_GGUF)
 	$(call average_with_start,$(S23A_GGUF),specblock-s32)
+
+# Stage 33 and DBlast stage 20 (fortieth session): the stage-21 answers complete (all 5,000 target-written prompts).
+# SpecBlock: stage 32's fine-tune trained 900 steps more (fresh cosine, batch seed 23), averaged with 23a: stage 32's
+# 900 extra steps gave +0.013 averaged. DBlast: the shipped 16a on the same answers (its stages 17-19 saw only ShareGPT
+# questions' answers and stayed flat), bf16, batch seed 17, averaged with 16a. Side by side, one thread each.
+# As run (fortieth session): `make -o setup -o train-prompts-s21 train-data-s21` answered the last 903 prompts in 15 min
+# (two one-thread workers, 108 answer tok/s each): 5,000 prompts, 81 shards, 7.6 GB, 1,374,393 tokens with features,
+# 1,065,494 answer tokens. Then `make -o setup -o train-data-s21 -o train-data-s20 -o train-specblock-s32
+# train-specblock-s33a STAGE_THREADS=1` (27 min) beside `make -o setup -o train-data-s21 -o train-data-s20
+# train-dblast-s20a STAGE_THREADS=1` (300 steps, 32 min). Serving walk on the 244 evaluation prompts: SpecBlock 32a
+# 2.026, stage 33 alone 1.971, 33a 2.018 (55.6% of passes accepting); DBlast 16a 1.522, stage 20 alone 1.498, 20a 1.522
+# (block estimate 1.533 / 1.528 / 1.544). Neither gained: not benched, not shipped.
+S33_SPECBLOCK_STEPS ?= 900
+S20_DBLAST_STEPS ?= 300
+.PHONY: train-specblock-s33 train-specblock-s33a train-dblast-s20 train-dblast-s20a
+train-specblock-s33: train-specblock-s32
+	$(call specblock_stage,$(S33_SPECBLOCK_STEPS),23,$(TRAIN_DIR)/specblock-s32,specblock-s33,$(S21_DATA_DIR)$(,)$(S20_DATA_DIR),--precision bf16)
+train-specblock-s33a: train-specblock-s33 $(S23A_GGUF)
+	$(call average_with_start,$(S23A_GGUF),specblock-s33)
+train-dblast-s20: train-data-s21 train-data-s20 $(DBLAST_S16A_GGUF)
+	$(call dblast_s16_stage,$(S20_DBLAST_STEPS),17,$(DBLAST_S16A_GGUF),dblast-s20,100,$(S21_DATA_DIR)$(,)$(S20_DATA_DIR),--precision bf16)
+train-dblast-s20a: train-dblast-s20 $(DBLAST_S16A_GGUF)
+	$(call average_with_start,$(DBLAST_S16A_GGUF),dblast-s20)
 
 # bf16 against fp32 (thirty-fifth session): the same fine-tune of the shipped 23a, 300 steps on the stage-18 answers
 # on disk, seed 19, one thread each, side by side; then `train eval` of both on the evaluation set (`make
