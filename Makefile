@@ -859,6 +859,8 @@ S21_PROMPTS_FILE = $(TRAIN_DIR)/prompts-self-s21.jsonl
 S21_DATA_DIR = $(TRAIN_DIR)/data-smollm2-s21
 S21_PROMPTS ?= 5000
 S21_ANSWERED ?= $(S21_PROMPTS)
+# stages 30-33 and DBlast 20 train on stage 21's answers with stage 20's
+S21_MIX = $(S21_DATA_DIR)$(,)$(S20_DATA_DIR)
 .PHONY: train-prompts-s21 train-data-s21
 train-prompts-s21: setup
 	mkdir -p $(TRAIN_DIR)
@@ -1062,7 +1064,7 @@ train-specblock-s29a: train-specblock-s29 $(S23A_GGUF)
 S30_SPECBLOCK_STEPS ?= 900
 .PHONY: train-specblock-s30 train-specblock-s30a
 train-specblock-s30: train-data-s21 $(S23A_GGUF)
-	$(call specblock_stage,$(S30_SPECBLOCK_STEPS),21,$(S23A_GGUF),specblock-s30,$(S21_DATA_DIR)$(,)$(S20_DATA_DIR),--precision bf16)
+	$(call specblock_stage,$(S30_SPECBLOCK_STEPS),21,$(S23A_GGUF),specblock-s30,$(S21_MIX),--precision bf16)
 train-specblock-s30a: train-specblock-s30 $(S23A_GGUF)
 	$(call average_with_start,$(S23A_GGUF),specblock-s30)
 
@@ -1072,7 +1074,7 @@ train-specblock-s30a: train-specblock-s30 $(S23A_GGUF)
 S31_SPECBLOCK_STEPS ?= 900
 .PHONY: train-specblock-s31 train-specblock-s31a
 train-specblock-s31: train-data-s21 $(S23A_GGUF)
-	$(call specblock_stage,$(S31_SPECBLOCK_STEPS),21,$(S23A_GGUF),specblock-s31,$(S21_DATA_DIR)$(,)$(S20_DATA_DIR),--precision bf16)
+	$(call specblock_stage,$(S31_SPECBLOCK_STEPS),21,$(S23A_GGUF),specblock-s31,$(S21_MIX),--precision bf16)
 train-specblock-s31a: train-specblock-s31 $(S23A_GGUF)
 	$(call average_with_start,$(S23A_GGUF),specblock-s31)
 
@@ -1081,7 +1083,7 @@ train-specblock-s31a: train-specblock-s31 $(S23A_GGUF)
 S32_SPECBLOCK_STEPS ?= 900
 .PHONY: train-specblock-s32 train-specblock-s32a
 train-specblock-s32: train-specblock-s31
-	$(call specblock_stage,$(S32_SPECBLOCK_STEPS),22,$(TRAIN_DIR)/specblock-s31,specblock-s32,$(S21_DATA_DIR)$(,)$(S20_DATA_DIR),--precision bf16)
+	$(call specblock_stage,$(S32_SPECBLOCK_STEPS),22,$(TRAIN_DIR)/specblock-s31,specblock-s32,$(S21_MIX),--precision bf16)
 train-specblock-s32a: train-specblock-s32 $(S23A_GGUF)
 	$(call average_with_start,$(S23A_GGUF),specblock-s32)
 
@@ -1100,11 +1102,11 @@ S33_SPECBLOCK_STEPS ?= 900
 S20_DBLAST_STEPS ?= 300
 .PHONY: train-specblock-s33 train-specblock-s33a train-dblast-s20 train-dblast-s20a
 train-specblock-s33: train-specblock-s32
-	$(call specblock_stage,$(S33_SPECBLOCK_STEPS),23,$(TRAIN_DIR)/specblock-s32,specblock-s33,$(S21_DATA_DIR)$(,)$(S20_DATA_DIR),--precision bf16)
+	$(call specblock_stage,$(S33_SPECBLOCK_STEPS),23,$(TRAIN_DIR)/specblock-s32,specblock-s33,$(S21_MIX),--precision bf16)
 train-specblock-s33a: train-specblock-s33 $(S23A_GGUF)
 	$(call average_with_start,$(S23A_GGUF),specblock-s33)
 train-dblast-s20: train-data-s21 train-data-s20 $(DBLAST_S16A_GGUF)
-	$(call dblast_s16_stage,$(S20_DBLAST_STEPS),17,$(DBLAST_S16A_GGUF),dblast-s20,100,$(S21_DATA_DIR)$(,)$(S20_DATA_DIR),--precision bf16)
+	$(call dblast_s16_stage,$(S20_DBLAST_STEPS),17,$(DBLAST_S16A_GGUF),dblast-s20,100,$(S21_MIX),--precision bf16)
 train-dblast-s20a: train-dblast-s20 $(DBLAST_S16A_GGUF)
 	$(call average_with_start,$(DBLAST_S16A_GGUF),dblast-s20)
 
