@@ -1110,6 +1110,19 @@ train-dblast-s20: train-data-s21 train-data-s20 $(DBLAST_S16A_GGUF)
 train-dblast-s20a: train-dblast-s20 $(DBLAST_S16A_GGUF)
 	$(call average_with_start,$(DBLAST_S16A_GGUF),dblast-s20)
 
+# Stage-22 prompts and data (forty-first session): 5,000 more target-written questions, written by resuming the stage-21
+# prompts file to 10,000 lines (same seed, later attempts; a question already in the file is a duplicate, so no stage-22
+# prompt repeats a stage-21 one), then its lines 5,000-9,999 answered as stage 21's were, under a new answer seed.
+S22_PROMPTS ?= 5000
+S22_ANSWERED ?= $(S22_PROMPTS)
+S22_DATA_DIR = $(TRAIN_DIR)/data-smollm2-s22
+.PHONY: train-prompts-s22 train-data-s22
+train-prompts-s22: train-prompts-s21
+	$(TRAIN) prompts --target $(SMOLLM2) --out $(S21_PROMPTS_FILE) --n-prompts $$(( $(S21_PROMPTS) + $(S22_PROMPTS) )) \
+		--seed 21 --threads $(STAGE_THREADS) >> $(TRAIN_DIR)/prompts-s22.log 2>&1
+train-data-s22: train-prompts-s22
+	$(call data_workers,$(SMOLLM2),$(S22_DATA_DIR),$(S21_PROMPTS_FILE):$(S21_PROMPTS),$(S22_ANSWERED),64,data-s22,--seed 8)
+
 # bf16 against fp32 (thirty-fifth session): the same fine-tune of the shipped 23a, 300 steps on the stage-18 answers
 # on disk, seed 19, one thread each, side by side; then `train eval` of both on the evaluation set (`make
 # eval-precision-ab`). `--precision bf16` autocasts the step's matmuls (1.58x the steps/s of fp32 at this shape alone,
