@@ -1123,6 +1123,18 @@ train-prompts-s22: train-prompts-s21
 train-data-s22: train-prompts-s22
 	$(call data_workers,$(SMOLLM2),$(S22_DATA_DIR),$(S21_PROMPTS_FILE):$(S21_PROMPTS),$(S22_ANSWERED),64,data-s22,--seed 8)
 
+# Stage 34 (forty-first session): the shipped 32a fine-tuned on the stage-22 answers (fresh) with stage 21's (replay),
+# bf16, batch seed 24, then averaged with 32a: the recipe that shipped every SpecBlock from 13a to 23a.
+S32A_GGUF = $(TRAIN_DIR)/specblock-s32a-39b20bf.q8_0.gguf  # the shipped SpecBlock since the thirty-ninth session, from git
+$(S32A_GGUF):
+	$(call git_gguf,39b20bf,specblock)
+S34_SPECBLOCK_STEPS ?= 900
+.PHONY: train-specblock-s34 train-specblock-s34a
+train-specblock-s34: train-data-s22 train-data-s21 $(S32A_GGUF)
+	$(call specblock_stage,$(S34_SPECBLOCK_STEPS),24,$(S32A_GGUF),specblock-s34,$(S22_DATA_DIR)$(,)$(S21_DATA_DIR),--precision bf16)
+train-specblock-s34a: train-specblock-s34 $(S32A_GGUF)
+	$(call average_with_start,$(S32A_GGUF),specblock-s34)
+
 # bf16 against fp32 (thirty-fifth session): the same fine-tune of the shipped 23a, 300 steps on the stage-18 answers
 # on disk, seed 19, one thread each, side by side; then `train eval` of both on the evaluation set (`make
 # eval-precision-ab`). `--precision bf16` autocasts the step's matmuls (1.58x the steps/s of fp32 at this shape alone,
