@@ -1134,14 +1134,6 @@ train-specblock-s34: train-data-s22 train-data-s21 $(S32A_GGUF)
 	$(call specblock_stage,$(S34_SPECBLOCK_STEPS),24,$(S32A_GGUF),specblock-s34,$(S22_DATA_DIR)$(,)$(S21_DATA_DIR),--precision bf16)
 train-specblock-s34a: train-specblock-s34 $(S32A_GGUF)
 	$(call average_with_start,$(S32A_GGUF),specblock-s34)
-# DBlast stage 21 beside it: the shipped 16a, 300 steps on the same two caches (bf16, seed 18), averaged with 16a, as
-# stage 20 was on stage 21's answers alone.
-S21_DBLAST_STEPS ?= 300
-.PHONY: train-dblast-s21 train-dblast-s21a
-train-dblast-s21: train-data-s22 train-data-s21 $(DBLAST_S16A_GGUF)
-	$(call dblast_s16_stage,$(S21_DBLAST_STEPS),18,$(DBLAST_S16A_GGUF),dblast-s21,100,$(S22_DATA_DIR)$(,)$(S21_DATA_DIR),--precision bf16)
-train-dblast-s21a: train-dblast-s21 $(DBLAST_S16A_GGUF)
-	$(call average_with_start,$(DBLAST_S16A_GGUF),dblast-s21)
 
 # bf16 against fp32 (thirty-fifth session): the same fine-tune of the shipped 23a, 300 steps on the stage-18 answers
 # on disk, seed 19, one thread each, side by side; then `train eval` of both on the evaluation set (`make
