@@ -1113,6 +1113,11 @@ train-dblast-s20a: train-dblast-s20 $(DBLAST_S16A_GGUF)
 # Stage-22 prompts and data (forty-first session): 5,000 more target-written questions, written by resuming the stage-21
 # prompts file to 10,000 lines (same seed, later attempts; a question already in the file is a duplicate, so no stage-22
 # prompt repeats a stage-21 one), then its lines 5,000-9,999 answered as stage 21's were, under a new answer seed.
+# As run (forty-first session, alone): `make -o setup -o train-prompts-s21 train-prompts-s22 STAGE_THREADS=2`, 19 min:
+# 5,000 new questions (332 over --max-new and 71 duplicates dropped, no evaluation prompt met); `make -o setup -o
+# train-prompts-s22 train-data-s22`, stopped (Ctrl-C) after 66 min for stage 34: 4,128 prompts, 66 shards, 879,942
+# answer tokens (1,135,520 with features), 222 answer tok/s for the two workers; then worker 0 alone beside stage 34
+# finished its half (23 min): 4,557 prompts, 73 shards, 6.8 GB, 970,266 answer tokens. The same command answers the rest.
 S22_PROMPTS ?= 5000
 S22_ANSWERED ?= $(S22_PROMPTS)
 S22_DATA_DIR = $(TRAIN_DIR)/data-smollm2-s22
@@ -1125,6 +1130,10 @@ train-data-s22: train-prompts-s22
 
 # Stage 34 (forty-first session): the shipped 32a fine-tuned on the stage-22 answers (fresh) with stage 21's (replay),
 # bf16, batch seed 24, then averaged with 32a: the recipe that shipped every SpecBlock from 13a to 23a.
+# As run (`make -o setup -o train-data-s22 -o train-data-s21 train-specblock-s34a STAGE_THREADS=1`, 25 min, on the
+# stage-22 cache at 4,128 prompts): serving walk on the 244 evaluation prompts 34 alone 1.951, 34a 2.010 (55.5% of passes
+# accepting) against 32a's 2.026; its soups 34b = avg(32a, 34a) and 34c = avg(33a, 34a), by `train average`: see the
+# README. None gained: not shipped.
 S32A_GGUF = $(TRAIN_DIR)/specblock-s32a-39b20bf.q8_0.gguf  # the shipped SpecBlock since the thirty-ninth session, from git
 $(S32A_GGUF):
 	$(call git_gguf,39b20bf,specblock)
