@@ -1132,8 +1132,8 @@ train-data-s22: train-prompts-s22
 # bf16, batch seed 24, then averaged with 32a: the recipe that shipped every SpecBlock from 13a to 23a.
 # As run (`make -o setup -o train-data-s22 -o train-data-s21 train-specblock-s34a STAGE_THREADS=1`, 25 min, on the
 # stage-22 cache at 4,128 prompts): serving walk on the 244 evaluation prompts 34 alone 1.951, 34a 2.010 (55.5% of passes
-# accepting) against 32a's 2.026; its soups 34b = avg(32a, 34a) and 34c = avg(33a, 34a), by `train average`: see the
-# README. None gained: not shipped.
+# accepting) against 32a's 2.026; its soups by `train average` (weight 0.5) 34b = 32a with 34a 2.020, 34c = 33a with
+# 34a 2.025. None gained: not shipped.
 S32A_GGUF = $(TRAIN_DIR)/specblock-s32a-39b20bf.q8_0.gguf  # the shipped SpecBlock since the thirty-ninth session, from git
 $(S32A_GGUF):
 	$(call git_gguf,39b20bf,specblock)
