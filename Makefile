@@ -1117,7 +1117,8 @@ train-dblast-s20a: train-dblast-s20 $(DBLAST_S16A_GGUF)
 # 5,000 new questions (332 over --max-new and 71 duplicates dropped, no evaluation prompt met); `make -o setup -o
 # train-prompts-s22 train-data-s22`, stopped (Ctrl-C) after 66 min for stage 34: 4,128 prompts, 66 shards, 879,942
 # answer tokens (1,135,520 with features), 222 answer tok/s for the two workers; then worker 0 alone beside stage 34
-# finished its half (23 min): 4,557 prompts, 73 shards, 6.8 GB, 970,266 answer tokens. The same command answers the rest.
+# finished its half (23 min): 4,557 prompts, 970,266 answer tokens; the same command then finished worker 1's (14 min):
+# all 5,000 prompts, 80 shards, 7.6 GB, 1,376,767 tokens with features, 1,067,316 answer tokens.
 S22_PROMPTS ?= 5000
 S22_ANSWERED ?= $(S22_PROMPTS)
 S22_DATA_DIR = $(TRAIN_DIR)/data-smollm2-s22
