@@ -1145,6 +1145,42 @@ train-specblock-s34: train-data-s22 train-data-s21 $(S32A_GGUF)
 train-specblock-s34a: train-specblock-s34 $(S32A_GGUF)
 	$(call average_with_start,$(S32A_GGUF),specblock-s34)
 
+# Capacity from scratch (forty-second session): every capacity test so far grew a shipped drafter and fine-tuned it
+# for ~1,000 steps (stages 17d, 29: flat), which cannot tell whether a larger drafter trained from the start learns
+# more. Two drafters from scratch on the same answers (stages 22, 21, 20 and 18: ~3.1M answer tokens; stage 19's
+# later-turn questions left out, they lowered stage 25), the same seed (so the same draft vocabulary, held-out split
+# and batches), one thread each, side by side: `small` is the shipped shape (2 layers, FFN 768), `big` 4 layers with
+# FFN 1,024 (1.9x the multiply-adds per drafted row, a block still under 1/4 of a target token). Judged by the serving
+# walk on the evaluation set at equal steps. As run (`make -o setup -o train-data-s22 -o train-data-s21 -o train-data-s20
+# -o train-data-s18 -o train-prompts-s21 -o train-prompts-s22 -j2 train-scratch-small train-scratch-big`, 47 and 68 min):
+# held-out estimate at steps 500 / 1,000 / 1,500 small 0.602 / 0.851 / 0.980, big 0.590 / 0.823 / 0.983; serving walk
+# on the 244 evaluation prompts small 1.590 (40.6% of passes accepting), big 1.607 (40.9%), against the shipped 32a's
+# 2.026: at equal steps 1.9x the compute bought +0.017.
+SCRATCH_STEPS ?= 1500
+SCRATCH_DATA = $(S22_DATA_DIR)$(,)$(S21_DATA_DIR)$(,)$(S20_DATA_DIR)$(,)$(S18_DATA_DIR)
+define scratch_run
+$(TRAIN) specblock --target $(SMOLLM2) --data $(SCRATCH_DATA) --batch-size 8 --anchors-per-seq 64 --lr 1e-3 \
+	--warmup 100 --eval-batches 16 --threads $(STAGE_THREADS) --steps $(SCRATCH_STEPS) --eval-every 500 --save-every 50 \
+	--log-every 50 --distill-weight 0.5 --draft-vocab-size 4096 --precision bf16 --seed 25 --n-layer $(1) \
+	--ffn-dim $(2) --out $(TRAIN_DIR)/$(3) $(4) >> $(TRAIN_DIR)/$(3).log 2>&1
+endef
+.PHONY: train-scratch-small train-scratch-big train-scratch-ctx
+train-scratch-small: train-data-s22 train-data-s21 train-data-s20 train-data-s18
+	$(call scratch_run,2,768,specblock-scratch-small)
+train-scratch-big: train-data-s22 train-data-s21 train-data-s20 train-data-s18
+	$(call scratch_run,4,1024,specblock-scratch-big)
+train-scratch-ctx: train-data-s22 train-data-s21 train-data-s20 train-data-s18
+	$(call scratch_run,2,768,specblock-scratch-ctx,--context-tokens)
+
+# Stage 35 (forty-second session): stage 34's recipe (the shipped 32a, 900 steps on stages 22 and 21, seed 24, bf16,
+# averaged with 32a) with the context-token path opened (`--context-tokens`, zero-initialised), so stage 34 / 34a are
+# its control.
+.PHONY: train-specblock-s35 train-specblock-s35a
+train-specblock-s35: train-data-s22 train-data-s21 $(S32A_GGUF)
+	$(call specblock_stage,$(S34_SPECBLOCK_STEPS),24,$(S32A_GGUF),specblock-s35,$(S22_DATA_DIR)$(,)$(S21_DATA_DIR),--precision bf16 --context-tokens)
+train-specblock-s35a: train-specblock-s35 $(S32A_GGUF)
+	$(call average_with_start,$(S32A_GGUF),specblock-s35)
+
 # bf16 against fp32 (thirty-fifth session): the same fine-tune of the shipped 23a, 300 steps on the stage-18 answers
 # on disk, seed 19, one thread each, side by side; then `train eval` of both on the evaluation set (`make
 # eval-precision-ab`). `--precision bf16` autocasts the step's matmuls (1.58x the steps/s of fp32 at this shape alone,

@@ -293,3 +293,41 @@ def test_tau_by_block_reads_the_accepted_prefix_histogram():
     assert list(t) == [1, 2, 4, 8]
     for b, tau in t.items():
         assert abs(tau - (1 + lengths.clamp(max=b).float().mean().item())) < 1e-4
+
+
+def test_specblock_context_tokens_start_as_they_were_see_no_later_token_and_cache(tmp_path):
+    """--context-tokens: the zero-initialised path leaves the drafts unchanged; opened, a block reads the
+    token after each context row up to its anchor and nothing after it (no label leaks in); the cached
+    pass equals the full one; and a GGUF export refuses it in one line."""
+    from blockspec.converters.drafter import convert_drafter
+    from blockspec.runtime.errors import BlockspecError
+
+    m = make("specblock")
+    a = m.args
+    S = 11
+    feats = torch.randn(2, S, len(a.target_layers) * TD)
+    anchors, last = torch.tensor([[3, 6], [4, 8]]), torch.randint(0, V, (2, 2))
+    nxt = torch.randint(0, V, (2, S))
+    before = m(feats, anchors, last).logits
+    m.add_context_tokens()
+    torch.testing.assert_close(m(feats, anchors, last, next_tokens=nxt).logits, before, atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="next_tokens"):
+        m(feats, anchors, last)
+    m.ctx_tok.weight.data.normal_(0.0, 0.3)
+    out = m(feats, anchors, last, next_tokens=nxt).logits
+    later = nxt.clone()
+    later[:, 9:] = (later[:, 9:] + 1) % V  # rows past every anchor
+    torch.testing.assert_close(m(feats, anchors, last, next_tokens=later).logits, out, atol=1e-6, rtol=1e-6)
+    earlier = nxt.clone()
+    earlier[:, 1] = (earlier[:, 1] + 1) % V  # a row every block sees
+    assert not torch.allclose(m(feats, anchors, last, next_tokens=earlier).logits, out)
+    full = m(feats, torch.full((2, 1), 10), last[:, :1], next_tokens=nxt).logits
+    cache = m.new_cache()
+    m(feats[:, :5], torch.full((2, 1), 4), last[:, :1], cache=cache, next_tokens=nxt[:, :5])
+    inc = m(feats[:, 5:], torch.full((2, 1), 10), last[:, :1], cache=cache, next_tokens=nxt[:, 5:]).logits
+    torch.testing.assert_close(inc, full, atol=1e-5, rtol=1e-5)
+    m2 = build_model(dataclasses.asdict(m.args))
+    m2.load_state_dict(m.state_dict())
+    with pytest.raises(BlockspecError, match="context-tokens"):
+        convert_drafter(m, tmp_path / "d.gguf", "f16", target=tmp_path / "none.gguf")
+    assert not (tmp_path / "d.gguf").exists()
