@@ -101,8 +101,6 @@ def average_drafters(a: str | os.PathLike, b: str | os.PathLike, out: str | os.P
     if not 0.0 <= weight <= 1.0:
         raise BlockspecError(f"--weight {weight}: expected 0..1")
     (ma, _), (mb, _) = load_checkpoint(a), load_checkpoint(b)
-    if getattr(mb.args, "context_tokens", False) and not getattr(ma.args, "context_tokens", False):
-        ma.add_context_tokens()  # B opened the path from A (`--init A --context-tokens`): A's is zero
     if dataclasses.replace(ma.args, n_layer=mb.args.n_layer, draft_vocab_size=mb.args.draft_vocab_size,
                            target_layers=mb.args.target_layers, ffn_dim=mb.args.ffn_dim) == mb.args:
         if ma.args.ffn_dim < mb.args.ffn_dim:

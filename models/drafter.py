@@ -227,19 +227,9 @@ class BlockDrafter(nn.Module):
             for _ in range(args.n_layer))
         self.norm = RMSNorm(H, args.norm_eps)
         self.vocab = DraftVocab(H, args.vocab_size, args.draft_vocab_size)
-        if getattr(args, "context_tokens", False):
-            self.add_context_tokens()
         # the target's frozen embeddings / head: non-persistent, so checkpoints never carry them
         self.register_buffer("target_embed", None, persistent=False)
         self.register_buffer("target_head", None, persistent=False)
-
-    def add_context_tokens(self) -> None:
-        """Experimental (`train --context-tokens`): each context row's K/V also read the embedding of
-        the token after it through `ctx_tok`, zero-initialised (the drafter drafts what it did)."""
-        H = self.args.dim
-        self.ctx_tok = nn.Linear(H, H, bias=False).to(self.fc.weight)
-        nn.init.zeros_(self.ctx_tok.weight)
-        self.args.context_tokens = True
 
     def resize_block(self, block_size: int) -> None:
         """Draft `block_size` (the method's block size) from now on. The shared weights carry over;
@@ -347,21 +337,15 @@ class BlockDrafter(nn.Module):
         """[B, S, F] concatenated target layer states -> conditioning c [B, S, H]."""
         return self.cond_norm(self.fc(feats.to(self.fc.weight.dtype) * self.feat_scale.to(self.fc.weight.dtype)))
 
-    def context(self, cond: torch.Tensor, cache: DraftCache | None, next_tokens: torch.Tensor | None = None):
-        """Per-layer context K/V for all positions (cache + new `cond` rows) and all c rows. With
-        `context_tokens`, row s's K/V read c[s] + ctx_tok(embed(next_tokens[s])), the token after s."""
+    def context(self, cond: torch.Tensor, cache: DraftCache | None):
+        """Per-layer context K/V for all positions (cache + new `cond` rows) and all c rows."""
         start = 0 if cache is None else cache.length
-        kv_in = cond
-        if getattr(self.args, "context_tokens", False):
-            if next_tokens is None:
-                raise ValueError("this drafter reads the token after each context row: pass next_tokens")
-            kv_in = cond + self.ctx_tok(self.embed(next_tokens[:, :cond.shape[1]]))
         all_cond = cond
         if cache is not None and cache.cond is not None:
             all_cond = torch.cat([cache.cond, cond], dim=1)
         ks, vs = [], []
         for i, layer in enumerate(self.layers):
-            k, v = layer.attn.context_kv(kv_in, start)
+            k, v = layer.attn.context_kv(cond, start)
             if cache is not None and cache.k:
                 k = torch.cat([cache.k[i], k], dim=2)
                 v = torch.cat([cache.v[i], v], dim=2)

@@ -46,7 +46,6 @@ class ModelArgs:
     rank_hidden: int = 64
     rope_base: float = 10000.0
     norm_eps: float = 1e-6
-    context_tokens: bool = False        # experimental (train --context-tokens): context K/V also read embed(x[s+1])
 
     @classmethod
     def from_dict(cls, params: Mapping[str, Any]) -> "ModelArgs":
@@ -119,7 +118,7 @@ class SpecBlock(BlockDrafter):
 
     def forward(self, feats: torch.Tensor, anchors: torch.Tensor, last_tokens: torch.Tensor,
                 cache: DraftCache | None = None, cond_override: torch.Tensor | None = None,
-                ctx_end: torch.Tensor | None = None, next_tokens: torch.Tensor | None = None) -> SpecBlockOutput:
+                ctx_end: torch.Tensor | None = None) -> SpecBlockOutput:
         """feats [B, S, F]: target states of context positions (the new ones when `cache` is given;
         S may be 0); anchors [B, N] absolute context positions; last_tokens [B, N] = x[anchor+1];
         cond_override [B, N, H]: use these instead of c[anchor] (cross-block training);
@@ -128,7 +127,7 @@ class SpecBlock(BlockDrafter):
         a = self.args
         B, N = anchors.shape
         K, H = a.block_size, a.dim
-        ks, vs, cond = self.context(self.condition(feats), cache, next_tokens)
+        ks, vs, cond = self.context(self.condition(feats), cache)
         S = cond.shape[1]
         if cond_override is None:
             c = cond.gather(1, anchors[..., None].expand(B, N, H))  # [B, N, H]

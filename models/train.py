@@ -85,9 +85,6 @@ class TrainConfig:
     prefix_mask: bool = _opt(True, "no loss on positions after the first wrong greedy draft", SPECBLOCK)
     rank_weight: float = _opt(0.1, "weight of the rank head's loss", SPECBLOCK)
     distill_weight: float = _opt(0.0, "weight of the KL to the target's top-k distribution (0: off)", SPECBLOCK)
-    context_tokens: bool = _opt(False, "experimental: each context row's attention keys/values also read the "
-                                       "embedding of the token after it (EAGLE's input pairing: what a copy needs); "
-                                       "torch only, not exportable yet", SPECBLOCK)
     cross_block_weight: float = _opt(0.0, "weight of the cross-block term (0: off, the plain recipe)", SPECBLOCK)
     cross_block_shift: int = _opt(0, "block 2's anchor offset m in 1..K (0: K, chained blocks)", SPECBLOCK)
     no_target_features: bool = _opt(False, "baseline: zero the target features")
@@ -197,7 +194,6 @@ def make_model_args(c: TrainConfig, target_args) -> dict:
         target_layers=list(c.target_layers or d["target_layers"]), target_dim=target_args.dim,
         block_size=c.block_size or d["block_size"], n_categories=c.n_categories, qk_norm=c.qk_norm,
         anchor_input=c.anchor_input, norm_eps=target_args.norm_eps,
-        **(dict(context_tokens=True) if c.context_tokens else {}),
     )
 
 
@@ -297,8 +293,6 @@ class Batches:
             valid=torch.from_numpy(valid),
             top_ids=torch.from_numpy(d["top_ids"][r, pos_c]).long(),
             top_logp=torch.from_numpy(d["top_logp"][r, pos_c].astype(np.float32)),
-            # the token after each context position (0 past a row's end): --context-tokens' input
-            next=torch.from_numpy(np.pad(d["tokens"][:, 1:], ((0, 0), (0, 1)))).long(),
         )
         if tokens:
             out["tokens"] = d["tokens"]
@@ -337,7 +331,7 @@ def accepted_lengths(draft: "torch.Tensor", labels, data_next, valid):  # noqa: 
 
 def draft_greedy(model, b):
     """Greedy block (target ids) [B, N, P]; DBlast uses its most likely category."""
-    out = model(b["feats"], b["anchors"], b["last"], **next_tokens(model, b))
+    out = model(b["feats"], b["anchors"], b["last"])
     if model.args.model_type == "dblast":
         z = out.prior_logits.argmax(-1)  # [B, N]
         logits = out.logits.gather(2, z[:, :, None, None, None].expand(-1, -1, 1, *out.logits.shape[3:]))[:, :, 0]
@@ -350,12 +344,7 @@ def cross_block_forward(model, b, out, m: int):
     """SpecBlock's second block, anchored m after the first (see the module docstring): b is
     the full-span batch, out the first block's output. -> SpecBlockOutput of block 2."""
     return model(b["feats"], b["anchors"] + m, b["data_next"][:, :, m - 1],
-                 cond_override=out.hidden[:, :, m - 1], ctx_end=b["anchors"], **next_tokens(model, b))
-
-
-def next_tokens(model, b: dict) -> dict:
-    """The forward's next_tokens argument where the drafter reads them (--context-tokens)."""
-    return dict(next_tokens=b["next"]) if getattr(model.args, "context_tokens", False) else {}
+                 cond_override=out.hidden[:, :, m - 1], ctx_end=b["anchors"])
 
 
 def estimate_acceptance(model, batches: Batches, c: TrainConfig, n_batches: int | None = None) -> dict:
@@ -527,7 +516,7 @@ def loss_terms(model, b, c: TrainConfig):
     b1 = block_view(b, 0, P)
     parts = {}
     if a.model_type == "specblock":
-        out = model(b1["feats"], b1["anchors"], b1["last"], **next_tokens(model, b1))
+        out = model(b1["feats"], b1["anchors"], b1["last"])
         t = specblock_terms(model, out, b, c)
         parts["ce"] = t["ce"]
         parts["rank"] = c.rank_weight * t["rank"]
@@ -706,8 +695,6 @@ def train(c: TrainConfig, target=None, progress: bool = True, source=None) -> di
             model.grow_layers(c.n_layer)
         if c.anchor_input and not getattr(model.args, "anchor_input", True):
             model.add_anchor_input()
-        if c.context_tokens and not getattr(model.args, "context_tokens", False):
-            model.add_context_tokens()
         if c.ffn_dim and c.ffn_dim != model.args.ffn_dim:
             if c.ffn_dim < model.args.ffn_dim:
                 raise BlockspecError(f"--ffn-dim {c.ffn_dim}: --init {c.init} has {model.args.ffn_dim} FFN units "

@@ -61,8 +61,7 @@ def test_accepted_lengths_rule():
 
 
 @pytest.mark.parametrize("method,extra", [("specblock", {}), ("dblast", dict(n_categories=3, loss="al")),
-                                          ("specblock", dict(precision="bf16")),
-                                          ("specblock", dict(context_tokens=True))])
+                                          ("specblock", dict(precision="bf16"))])
 def test_overfit_checkpoint_resume(tiny, tmp_path, method, extra):
     path, target, cache = tiny
     cfg = TrainConfig(method=method, target=str(path), out=str(tmp_path / method), data=str(cache),
