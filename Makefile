@@ -1150,7 +1150,7 @@ train-specblock-s34a: train-specblock-s34 $(S32A_GGUF)
 # more. Two drafters from scratch on the same answers (stages 22, 21, 20 and 18: ~3.1M answer tokens; stage 19's
 # later-turn questions left out, they lowered stage 25), the same seed (so the same draft vocabulary, held-out split
 # and batches), one thread each, side by side: `small` is the shipped shape (2 layers, FFN 768), `big` 4 layers with
-# FFN 1,024 (1.9x the multiply-adds per drafted row, a block still under 1/4 of a target token). Judged by the serving
+# FFN 1,024 (1.9x the multiply-adds per drafted row; its serving cost was not measured). Judged by the serving
 # walk on the evaluation set at equal steps. As run (`make -o setup -o train-data-s22 -o train-data-s21 -o train-data-s20
 # -o train-data-s18 -o train-prompts-s21 -o train-prompts-s22 -j2 train-scratch-small train-scratch-big`, 47 and 68 min):
 # held-out estimate at steps 500 / 1,000 / 1,500 small 0.602 / 0.851 / 0.980, big 0.590 / 0.823 / 0.983; serving walk
