@@ -10,10 +10,10 @@ position, temperature 1). Per bucket: the share of passes, how often the first d
 right, the mean accepted prefix, how often that token is outside the drafter's vocabulary, and what
 a 3-token lookup would have drafted there (the token after the latest earlier occurrence of the last
 three tokens, as `--method specblock+ngram` looks up): how often it has a proposal, how often that
-proposal is right, and the share of the drafter's first-token misses it gets right. A drafter that reads the target's features can only learn what
-those features decide; where the target's top choice is nearly a tie with its second, the greedy
-token turns on the last layers' fine detail, which is what a 2-layer drafter cannot recompute.
-Prints one JSON object per drafter.
+proposal is right, and the share of the drafter's first-token misses it gets right. It tells misses
+the target itself hesitates over (near-ties, which no small drafter is expected to resolve) from
+misses on tokens the target is sure of, and how many of those the context already holds (copies).
+Prints one JSON object per drafter (forty-second session: the shipped SpecBlock, benchmarks/HISTORY.md).
 """
 
 from __future__ import annotations
