@@ -1171,8 +1171,8 @@ train-scratch-big: train-data-s22 train-data-s21 train-data-s20 train-data-s18
 	$(call scratch_run,4,1024,specblock-scratch-big)
 
 # Context tokens (forty-second session), measured and removed: SpecBlock's context rows carry the target's features
-# only, and `benchmarks/acceptance_by_confidence.py` showed the drafter copies badly (where a 3-token lookup proposes, it
-# is right 85% of the time, the drafter 59%). Commit 798b655 had `train specblock --context-tokens`: each context row's
+# only, and `benchmarks/first_token_confidence.py --walk` showed the drafter copies badly (where the 3-token lookup
+# proposes, it is right 89% of the time, the drafter 59%). Commit 798b655 had `train specblock --context-tokens`: each context row's
 # attention keys and values also read the embedding of the token after it (EAGLE's input pairing), zero-initialised.
 # As run there: `train-scratch-small`'s recipe plus `--context-tokens` (out specblock-scratch-ctx, 44 min beside the
 # other runs): held-out 0.589 / 0.827 / 0.985 at steps 500 / 1,000 / 1,500, walk 1.603 (small 1.590); and stage 35 =

@@ -602,11 +602,13 @@ def load_drafter(ckpt_dir: str | os.PathLike, target=None):
     return model, meta
 
 
-def heldout_blocks(drafter: str, data: str, target_path: str, n_batches: int):
+def heldout_blocks(drafter: str, data: str, target_path: str, n_batches: int, walk: bool = False):
     """(model, blocks): a drafter (checkpoint dir or GGUF) and a generator of the held-out blocks
     `train eval` scores on a self-distilled cache (every prompt of an evaluation set), n_batches
     batches of 8 rows x 16 blocks with a fixed seed, each the block view with the rows' whole
-    token sequences added as "tokens" [B, T] (what the diagnostic scripts in benchmarks/ read)."""
+    token sequences added as "tokens" [B, T] (what the diagnostic scripts in benchmarks/ read).
+    walk: instead, one batch per held-out row holding the blocks greedy serving drafts there
+    (`walk_row`, as `train eval --walk` counts passes); n_batches is then unused."""
     from . import data as data_mod
     from .target import load_target
 
@@ -621,6 +623,18 @@ def heldout_blocks(drafter: str, data: str, target_path: str, n_batches: int):
         rng = np.random.default_rng(12345)
         for _ in range(n_batches):
             yield block_view(split.get_batch("heldout", 8, 16, rng, span=P, tokens=True), 0, P)
+
+    def walked():
+        import torch
+
+        with torch.no_grad():
+            for r in split.split["heldout"].tolist():
+                anchors, _ = walk_row(model, split, r)
+                if len(anchors):
+                    yield block_view(split.batch_at(np.array([r]), anchors[None], tokens=True), 0, P)
+
+    if walk:
+        return model, walked()
 
     return model, blocks()
 
