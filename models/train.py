@@ -582,21 +582,11 @@ def save_checkpoint(out: Path, model, opt, c: TrainConfig, step: int, history: l
 
 
 def load_drafter(ckpt_dir: str | os.PathLike, target=None):
-    """Rebuild a drafter from its checkpoint folder or its GGUF (and bind a loaded target's
-    embeddings/head)."""
-    from safetensors.torch import load_file
+    """Rebuild a drafter from its checkpoint folder or its GGUF (`checkpoint.load_checkpoint`:
+    BlockspecError, one line, for anything else) and bind a loaded target's embeddings/head."""
+    from blockspec.models.checkpoint import load_checkpoint
 
-    from . import build_model
-
-    d = Path(ckpt_dir)
-    if d.is_dir():
-        meta = json.loads((d / "drafter.json").read_text())
-        model = build_model(meta["model_args"])
-        model.load_state_dict(load_file(str(d / "drafter.safetensors")))
-    else:
-        from blockspec.models.checkpoint import read_drafter_gguf
-
-        model, meta = read_drafter_gguf(d)
+    model, meta = load_checkpoint(ckpt_dir)
     if target is not None:
         model.bind_target(target.tok_embeddings.weight, target.head_weight)
     return model, meta
