@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from blockspec.runtime.bench.run import METHODS, load_prompts, parse_drafters, parse_methods
+from blockspec.runtime.bench.run import METHODS, load_prompts, parse_drafters, parse_methods, speed_ratio_ci
 from blockspec.runtime.errors import BlockspecError
 
 from conftest import run_cli
@@ -55,6 +55,11 @@ def test_bench_smoke(tmp_path):
         if m == "specblock-pilot":  # the shipped pilot chose one drafted-token count per prompt
             assert len(r["block_sizes"]) == 2 and all(1 <= b <= 4 for b in r["block_sizes"])
             assert all(0 < c < 1 for c in r["pilot_accept"])
+        pp = r["per_prompt"]
+        assert pp["index"] == [0, 1] and sum(pp["n_tokens"]) == r["n_tokens"] and min(pp["gen_s"]) > 0
+        if m != "plain":
+            lo, hi = r["speedup_ci95"]
+            assert 0 < lo <= hi
     assert runs[("ngram", 0.0)]["lossless"] is True
     assert 0.0 <= runs[("ngram", 0.0)]["draft_fraction"] <= 1.0
     # the shipped SpecBlock drafter: lossless, and a block costs a positive share of a plain token
@@ -62,6 +67,33 @@ def test_bench_smoke(tmp_path):
     assert 0.0 < runs[("specblock", 0.0)]["draft_cost"] < 10.0
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "speedup" in res.stdout and "ngram" in res.stdout
+
+
+def test_speed_ratio_interval():
+    """The paired bootstrap of one row's speed over another's: exact where every prompt has the same
+    ratio, around the ratio of summed speeds otherwise, narrower with more prompts, and None without
+    two shared prompts."""
+    import numpy as np
+
+    rs = np.random.default_rng(0)
+
+    def row(idx, tok, sec):
+        return {"index": list(idx), "n_tokens": list(tok), "gen_s": list(sec)}
+
+    tok, sec = rs.integers(50, 256, 40), rs.uniform(1, 4, 40)
+    assert speed_ratio_ci(row(range(40), tok, sec / 1.5), row(range(40), tok, sec)) == [1.5, 1.5]
+    widths = []
+    for n in (10, 160):
+        tok, sec = rs.integers(50, 256, n), rs.uniform(1, 4, n)
+        noisy = sec * rs.uniform(0.7, 1.1, n)  # a row ~10% faster, with prompt-to-prompt spread
+        lo, hi = speed_ratio_ci(row(range(n), tok, noisy), row(range(n), tok, sec))
+        point = (tok.sum() / noisy.sum()) / (tok.sum() / sec.sum())
+        assert lo < point < hi
+        widths.append(hi - lo)
+    assert widths[1] < widths[0] / 2
+    # only the shared prompts count
+    assert speed_ratio_ci(row([0, 5], [10, 10], [1, 1]), row([5, 7], [10, 10], [2, 2])) is None
+    assert speed_ratio_ci(row([0, 1, 2], [10, 10, 10], [1, 1, 9]), row([0, 1], [10, 10], [2, 2])) == [2.0, 2.0]
 
 
 def test_prompts_jsonl_and_errors(tmp_path):

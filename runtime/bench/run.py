@@ -10,6 +10,9 @@ Per method and temperature (sums over the prompts that method completed):
   an end-of-generation token counted as produced; peers: see bench_peers);
 - tokens_per_s: generated tokens / generation seconds (prefill excluded);
 - speedup_vs_plain: tokens_per_s / plain's tokens_per_s over the same prompts in this run;
+- speedup_ci95: the 95% interval of speedup_vs_plain by a paired bootstrap over the prompts
+  (`speed_ratio_ci`; two rows' ratio, e.g. ours against upstream's: benchmarks/compare_rows.py);
+- per_prompt: each completed prompt's index, generated tokens and generation seconds;
 - draft_fraction: drafting time / (drafting + verifying) (ours only; null for peers);
 - draft_cost: drafting seconds per draft (one per target pass after the prefill) / plain's seconds
   per generated token over the same prompts in this run: what one block costs in target tokens
@@ -320,6 +323,9 @@ def _summarize(name: str, temp: float, recs: dict[int, Record], plain: dict[int,
     base_tps = sum(r.n_tokens for r in base) / max(1e-12, sum(r.gen_s for r in base)) if base else None
     if run["tokens_per_s"] and base_tps:
         run["speedup_vs_plain"] = run["tokens_per_s"] / base_tps
+    run["per_prompt"] = _per_prompt(recs)
+    if name != "plain":
+        run["speedup_ci95"] = speed_ratio_ci(run["per_prompt"], _per_prompt(plain))
     if all(r.draft_s is not None for r in recs.values()):
         busy = sum(r.draft_s + r.verify_s for r in recs.values())
         run["draft_fraction"] = sum(r.draft_s for r in recs.values()) / busy if busy > 0 else 0.0
@@ -375,6 +381,36 @@ def machine_info(threads: int, model: Path) -> dict:
             "GGML_BATCH_INVARIANT": os.environ.get("GGML_BATCH_INVARIANT"),
             "loadavg_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def _per_prompt(recs: dict[int, Record]) -> dict:
+    """A row's "per_prompt" entry: completed prompt indices, generated tokens, generation seconds."""
+    idx = sorted(recs)
+    return {"index": idx, "n_tokens": [recs[i].n_tokens for i in idx], "gen_s": [recs[i].gen_s for i in idx]}
+
+
+def speed_ratio_ci(a: dict, b: dict, n_boot: int = 2000, level: float = 0.95, seed: int = 0) -> list[float] | None:
+    """Interval of row a's speed over row b's (tokens / seconds, each summed over the prompts both
+    completed, as speedup_vs_plain is taken) by a paired bootstrap over those prompts: how far the
+    ratio could move on another draw of prompts like these. a, b: rows' "per_prompt" entries. None
+    with fewer than 2 shared prompts. Where the two rows sample different texts (T > 0, or another
+    engine's kernels) the prompt-to-prompt spread holds that too."""
+    import numpy as np
+
+    ia, ib = ({i: k for k, i in enumerate(x["index"])} for x in (a, b))
+    common = sorted(ia.keys() & ib.keys())
+    if len(common) < 2:
+        return None
+    at, as_, bt, bs = (np.array([x[key][m[i]] for i in common], float)
+                       for x, m, key in ((a, ia, "n_tokens"), (a, ia, "gen_s"), (b, ib, "n_tokens"), (b, ib, "gen_s")))
+    pick = np.random.default_rng(seed).integers(0, len(common), size=(n_boot, len(common)))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = (at[pick].sum(1) / as_[pick].sum(1)) / (bt[pick].sum(1) / bs[pick].sum(1))
+    ratio = ratio[np.isfinite(ratio)]
+    if not len(ratio):
+        return None
+    tail = 100 * (1 - level) / 2
+    return [round(float(v), 4) for v in np.percentile(ratio, [tail, 100 - tail])]
 
 
 def run_bench(prompts: str, *, methods: str | Sequence[str] = "plain,ngram",
@@ -574,8 +610,11 @@ def format_table(result: dict) -> str:
         width = int(spec.split(".")[0])
         return f"{'-':>{width + len(suffix)}}" if v is None else format(v, spec) + suffix
 
+    def ci(v):
+        return "-" if not v else f"{v[0]:.2f}-{v[1]:.2f}x"
+
     head = f"{'method':<24} {'T':>4} {'rule':>9} {'n':>3} {'tokens':>6} {'tau':>5} {'tok/s':>7} {'speedup':>7} " \
-           f"{'draft%':>6} {'d/tok':>5} {'lossless':>8}  accept_hist"
+           f"{'95% interval':>13} {'draft%':>6} {'d/tok':>5} {'lossless':>8}  accept_hist"
     lines = [head, "-" * len(head)]
     for r in result["runs"]:
         ll = {True: "yes", False: "NO", None: "-"}[r["lossless"]]
@@ -584,7 +623,7 @@ def format_table(result: dict) -> str:
         lines.append(f"{r['method']:<24} {r['temperature']:>4g} {r.get('acceptance') or '-':>9} "
                      f"{r['n_prompts']:>3} {r['n_tokens']:>6} "
                      f"{f(r['tau'], '5.2f')} {f(r['tokens_per_s'], '7.1f')} {f(r['speedup_vs_plain'], '6.2f', 'x')} "
-                     f"{f(df, '6.1f')} {f(r.get('draft_cost'), '5.2f')} {ll:>8}  {tail}")
+                     f"{ci(r.get('speedup_ci95')):>13} {f(df, '6.1f')} {f(r.get('draft_cost'), '5.2f')} {ll:>8}  {tail}")
     m = result["machine"]
     lines.append(f"machine: {m['cpu']}, {m['cores']} cores, {m['threads']} threads, build {m['llama_cpp_build']} "
                  f"({m['backend']}), python {m['python']}, torch {m['torch']}, {m['date']}")
