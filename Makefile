@@ -1182,18 +1182,19 @@ train-scratch-big: train-data-s22 train-data-s21 train-data-s20 train-data-s18
 # the time against 32a's 58.6%: the path did not teach the drafter to copy on the evaluation prompts, and its averaged
 # stage only tied the shipped one, so the option was removed rather than carried into the ggml graph.
 
-# Previous tokens (forty-third session): SpecBlock drafts its K rows in one parallel pass, row k seeing row k-1 only
-# through the layer-wise shift of its hidden state, never the token row k-1 drafted; on the shipped 32a's bench passes
-# a drafted token is accepted 56% of the time at row 0 but only 49% / 52% / 61% at rows 1-3 given the rows before it
-# accepted. `--prev-tokens` gives row k >= 1 the embedding of the token before its own (teacher-forced in training,
-# half the rows dropped so it also drafts without), served in two passes: the first without, the second reading the
-# first's drafts (torch only; `train eval --walk` drafts so). Stage 36 = stage 34's recipe plus the option; stage 36c is
-# its control, the same recipe without it (stage 34 itself trained on the stage-22 cache when it held 4,128 prompts).
-.PHONY: train-specblock-s36 train-specblock-s36c
-train-specblock-s36: train-data-s22 train-data-s21 $(S32A_GGUF)
-	$(call specblock_stage,$(S34_SPECBLOCK_STEPS),24,$(S32A_GGUF),specblock-s36,$(S22_DATA_DIR)$(,)$(S21_DATA_DIR),--precision bf16 --prev-tokens)
-train-specblock-s36c: train-data-s22 train-data-s21 $(S32A_GGUF)
-	$(call specblock_stage,$(S34_SPECBLOCK_STEPS),24,$(S32A_GGUF),specblock-s36c,$(S22_DATA_DIR)$(,)$(S21_DATA_DIR),--precision bf16)
+# Previous tokens (forty-third session), measured and removed: SpecBlock drafts its K rows in one parallel pass, row k
+# seeing row k-1 only through the layer-wise shift of its hidden state, never the token row k-1 drafted; on the shipped
+# 32a's bench passes a drafted token is accepted 56% of the time at row 0 but only 49% / 52% / 61% at rows 1-3 given the
+# rows before it accepted. Commit 282c309 had `train specblock --prev-tokens`: row k >= 1 also reads the embedding of
+# the token before its own (zero-initialised, teacher-forced in training with half the rows dropped), drafted in two
+# passes, the second reading the first's drafts. As run there: stage 36 = stage 34's recipe plus the option
+# (`specblock_stage` with `--precision bf16 --prev-tokens`) beside its control 36c (the same recipe without it; stage 34
+# itself trained on the stage-22 cache when it held 4,128 prompts), one thread each, 23 min: held-out 1.206 / 1.318 /
+# 1.331 at steps 400 / 800 / 900 against 1.164 / 1.269 / 1.283; serving walk on the 244 evaluation prompts 36c 1.965,
+# 36 drafted in one pass 1.959, two passes 1.993, three 1.998, and with the target's own tokens as inputs (what an
+# autoregressive drafter conditions on) 1.999. After 900 steps, knowing the earlier rows' tokens exactly is worth +0.035
+# tau: rows 1-3 are limited by the anchor's stale features more than by the block being drafted in parallel. Not
+# carried into the graph.
 
 # bf16 against fp32 (thirty-fifth session): the same fine-tune of the shipped 23a, 300 steps on the stage-18 answers
 # on disk, seed 19, one thread each, side by side; then `train eval` of both on the evaluation set (`make

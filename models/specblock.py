@@ -46,7 +46,6 @@ class ModelArgs:
     rank_hidden: int = 64
     rope_base: float = 10000.0
     norm_eps: float = 1e-6
-    prev_tokens: bool = False           # experimental (train --prev-tokens): row k >= 1 also reads embed(x[t+1+k])
 
     @classmethod
     def from_dict(cls, params: Mapping[str, Any]) -> "ModelArgs":
@@ -76,20 +75,6 @@ class SpecBlock(BlockDrafter):
         self.rank_head = nn.Sequential(nn.Linear(H + n_sum, args.rank_hidden), nn.SiLU(),
                                        nn.Linear(args.rank_hidden, len(args.rank_widths)))
         self.reset_shift()
-        if args.prev_tokens:
-            self.add_prev_tokens()
-
-    def add_prev_tokens(self) -> None:
-        """Row k >= 1 also reads the token before the one it predicts, x[t+1+k], through `prev_proj`
-        (zero-initialised: the drafter drafts exactly what it did). The parallel block otherwise learns
-        position k from row k-1's hidden state alone; with the token it is conditioned as an
-        autoregressive drafter is. Trained teacher-forced (each row's input dropped at random, so the
-        drafter also drafts without it); served in two passes, the second reading the first's drafts
-        (`draft_greedy`). Experimental: torch only."""
-        H = self.args.dim
-        self.prev_proj = nn.Linear(H, H, bias=False).to(self.pos_query)
-        nn.init.zeros_(self.prev_proj.weight)
-        self.args.prev_tokens = True
 
     def reset_shift(self) -> None:
         """Start each shift as [I, small]: the layer stack begins as a plain transformer and
@@ -133,13 +118,12 @@ class SpecBlock(BlockDrafter):
 
     def forward(self, feats: torch.Tensor, anchors: torch.Tensor, last_tokens: torch.Tensor,
                 cache: DraftCache | None = None, cond_override: torch.Tensor | None = None,
-                ctx_end: torch.Tensor | None = None, prev: torch.Tensor | None = None) -> SpecBlockOutput:
+                ctx_end: torch.Tensor | None = None) -> SpecBlockOutput:
         """feats [B, S, F]: target states of context positions (the new ones when `cache` is given;
         S may be 0); anchors [B, N] absolute context positions; last_tokens [B, N] = x[anchor+1];
         cond_override [B, N, H]: use these instead of c[anchor] (cross-block training);
         ctx_end [B, N]: the last context position each block may attend to (default: its anchor;
-        a cross-block block anchored past the target's features sees only those that exist);
-        prev [B, N, K]: with --prev-tokens, row k's input token x[t+1+k] (-1: none; row 0 unused)."""
+        a cross-block block anchored past the target's features sees only those that exist)."""
         a = self.args
         B, N = anchors.shape
         K, H = a.block_size, a.dim
@@ -151,9 +135,6 @@ class SpecBlock(BlockDrafter):
             c = cond_override
         x = self.in_proj(torch.cat([c, self.embed(last_tokens)], dim=-1))  # [B, N, H]
         x = x[:, :, None, :] + self.pos_query  # [B, N, K, H] prefix broadcast + position queries
-        if a.prev_tokens and prev is not None:
-            has = ((prev >= 0) & (torch.arange(K, device=prev.device) > 0)).to(x.dtype)[..., None]
-            x = x + has * self.prev_proj(self.embed(prev.clamp_min(0)))
         pos = (anchors[..., None] + 1 + torch.arange(K, device=anchors.device)).reshape(B, N * K)
         mask = block_mask(anchors if ctx_end is None else ctx_end, S, K, causal=True)
         for i, layer in enumerate(self.layers):

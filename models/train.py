@@ -85,11 +85,6 @@ class TrainConfig:
     prefix_mask: bool = _opt(True, "no loss on positions after the first wrong greedy draft", SPECBLOCK)
     rank_weight: float = _opt(0.1, "weight of the rank head's loss", SPECBLOCK)
     distill_weight: float = _opt(0.0, "weight of the KL to the target's top-k distribution (0: off)", SPECBLOCK)
-    prev_tokens: bool = _opt(False, "experimental: block row k >= 1 also reads the token before the one it "
-                                    "predicts (teacher-forced, dropped per row at --prev-drop; evaluated in two "
-                                    "passes, the second reading the first's drafts); torch only, not exportable",
-                             SPECBLOCK)
-    prev_drop: float = _opt(0.5, "--prev-tokens: the share of rows trained without their input token", SPECBLOCK)
     cross_block_weight: float = _opt(0.0, "weight of the cross-block term (0: off, the plain recipe)", SPECBLOCK)
     cross_block_shift: int = _opt(0, "block 2's anchor offset m in 1..K (0: K, chained blocks)", SPECBLOCK)
     no_target_features: bool = _opt(False, "baseline: zero the target features")
@@ -199,7 +194,6 @@ def make_model_args(c: TrainConfig, target_args) -> dict:
         target_layers=list(c.target_layers or d["target_layers"]), target_dim=target_args.dim,
         block_size=c.block_size or d["block_size"], n_categories=c.n_categories, qk_norm=c.qk_norm,
         anchor_input=c.anchor_input, norm_eps=target_args.norm_eps,
-        **(dict(prev_tokens=True) if c.prev_tokens else {}),
     )
 
 
@@ -336,28 +330,14 @@ def accepted_lengths(draft: "torch.Tensor", labels, data_next, valid):  # noqa: 
 
 
 def draft_greedy(model, b):
-    """Greedy block (target ids) [B, N, P]; DBlast uses its most likely category. A --prev-tokens
-    SpecBlock drafts twice: without input tokens, then with the first pass's drafts as row k+1's."""
+    """Greedy block (target ids) [B, N, P]; DBlast uses its most likely category."""
     out = model(b["feats"], b["anchors"], b["last"])
-    if getattr(model.args, "prev_tokens", False):
-        first = model.vocab.to_target(out.logits.argmax(-1))
-        out = model(b["feats"], b["anchors"], b["last"], prev=shift_prev_tokens(first, None))
     if model.args.model_type == "dblast":
         z = out.prior_logits.argmax(-1)  # [B, N]
         logits = out.logits.gather(2, z[:, :, None, None, None].expand(-1, -1, 1, *out.logits.shape[3:]))[:, :, 0]
     else:
         logits = out.logits
     return model.vocab.to_target(logits.argmax(-1)), out
-
-
-def shift_prev_tokens(tokens, valid) -> "torch.Tensor":  # noqa: F821
-    """Row k's input token for --prev-tokens from per-row tokens [B, N, P] (row k's own): row k gets
-    row k-1's token, row 0 none (-1); where `valid` is given, an invalid row k-1 gives none."""
-    import torch.nn.functional as F
-
-    if valid is not None:
-        tokens = tokens.masked_fill(~valid, -1)
-    return F.pad(tokens[..., :-1], (1, 0), value=-1)
 
 
 def cross_block_forward(model, b, out, m: int):
@@ -536,13 +516,7 @@ def loss_terms(model, b, c: TrainConfig):
     b1 = block_view(b, 0, P)
     parts = {}
     if a.model_type == "specblock":
-        prev = None
-        if getattr(a, "prev_tokens", False):  # teacher-forced: the target's greedy token before each row's
-            import torch
-
-            prev = shift_prev_tokens(b1["labels"], b1["valid"])
-            prev = prev.masked_fill(torch.rand(prev.shape, device=prev.device) < c.prev_drop, -1)
-        out = model(b1["feats"], b1["anchors"], b1["last"], prev=prev)
+        out = model(b1["feats"], b1["anchors"], b1["last"])
         t = specblock_terms(model, out, b, c)
         parts["ce"] = t["ce"]
         parts["rank"] = c.rank_weight * t["rank"]
@@ -725,8 +699,6 @@ def train(c: TrainConfig, target=None, progress: bool = True, source=None) -> di
             model.grow_layers(c.n_layer)
         if c.anchor_input and not getattr(model.args, "anchor_input", True):
             model.add_anchor_input()
-        if c.prev_tokens and not getattr(model.args, "prev_tokens", False):
-            model.add_prev_tokens()
         if c.ffn_dim and c.ffn_dim != model.args.ffn_dim:
             if c.ffn_dim < model.args.ffn_dim:
                 raise BlockspecError(f"--ffn-dim {c.ffn_dim}: --init {c.init} has {model.args.ffn_dim} FFN units "

@@ -285,40 +285,6 @@ def test_dblast_anchor_input_starts_as_it_was_then_learns(tmp_path):
     assert not (tmp_path / "d.gguf").exists()
 
 
-def test_specblock_prev_tokens_starts_as_it_was_then_learns(tmp_path):
-    """--prev-tokens on a trained SpecBlock: the zero-initialised path leaves its drafts unchanged;
-    once trained, row k reads the token given at row k and no later one (row 0 none), the path takes
-    gradient, and a GGUF export refuses it in one line."""
-    from blockspec.converters.drafter import convert_drafter
-    from blockspec.models.train import shift_prev_tokens
-    from blockspec.runtime.errors import BlockspecError
-
-    m = make("specblock")
-    a = m.args
-    feats = torch.randn(1, 10, len(a.target_layers) * TD)
-    anchors, last = torch.tensor([[2, 7]]), torch.randint(0, V, (1, 2))
-    before = m(feats, anchors, last).logits
-    m.add_prev_tokens()
-    prev = shift_prev_tokens(torch.randint(0, V, (1, 2, a.block_size)), None)
-    assert (prev[..., 0] == -1).all()
-    out = m(feats, anchors, last, prev=prev).logits
-    torch.testing.assert_close(out, before, atol=1e-6, rtol=1e-6)
-    out.float().square().mean().backward()
-    assert m.prev_proj.weight.grad.abs().sum() > 0
-    m.prev_proj.weight.data.normal_(0.0, 0.2)
-    with torch.no_grad():
-        base = m(feats, anchors, last, prev=prev).logits
-        for k in range(a.block_size):
-            other = prev.clone()
-            other[..., k] = (other[..., k].clamp_min(0) + 1) % V
-            moved = (m(feats, anchors, last, prev=other).logits - base).abs().amax((0, 1, 3))
-            assert (moved[:k] == 0).all()  # earlier rows never read a later row's token
-            assert (moved[k] > 0) == (k > 0)  # row k reads its own; row 0 reads none
-    with pytest.raises(BlockspecError, match="prev-tokens"):
-        convert_drafter(m, tmp_path / "d.gguf", "f16", target=tmp_path / "none.gguf")
-    assert not (tmp_path / "d.gguf").exists()
-
-
 def test_tau_by_block_reads_the_accepted_prefix_histogram():
     from blockspec.models.train import tau_by_block
 

@@ -141,9 +141,6 @@ class TorchDrafter(BlockDrafter):
         if kind is None:
             raise BlockspecError(f"{path}: model_type {model.args.model_type!r} is not a drafter "
                                  f"(known: {', '.join(DRAFTERS)})")
-        if getattr(model.args, "prev_tokens", False):
-            raise BlockspecError(f"{path}: a SpecBlock trained with --prev-tokens (an experiment the runtime "
-                                 "does not serve yet)")
         return kind(model, meta, path, **options)
 
 
