@@ -115,9 +115,6 @@ def convert_drafter(ckpt, out_path: str | os.PathLike, outtype: str = "f16",
     arch = getattr(getattr(model, "args", None), "model_type", None)
     if arch not in CONVERTERS:
         raise BlockspecError(f"cannot convert a {arch!r} drafter (known: {', '.join(CONVERTERS)})")
-    if getattr(model.args, "anchor_input", False):
-        raise BlockspecError(f"cannot convert {ckpt if isinstance(ckpt, (str, os.PathLike)) else arch}: a DBlast "
-                             f"with --anchor-input (an experiment the ggml graph does not carry yet)")
     target = target or recorded
     if not target:
         raise BlockspecError("no target GGUF to fingerprint: pass target= (the checkpoint records none)")

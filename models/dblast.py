@@ -43,8 +43,6 @@ class ModelArgs:
     block_size: int = 5                 # B: the block is [last, MASK x (B-1)] -> B-1 drafted tokens
     n_categories: int = 1               # Kz; 1 = plain DFlash
     qk_norm: bool = False               # per-head q/k RMSNorm (DFlash's; exports to upstream exactly)
-    anchor_input: bool = False          # add proj(c[anchor]) to every block row (SpecBlock's input path;
-                                        # torch only for now: the ggml graph does not carry it)
     rope_base: float = 10000.0
     norm_eps: float = 1e-6
 
@@ -79,17 +77,6 @@ class DBlast(BlockDrafter):
         else:
             self.category_prior = None
             self.category_expander = None
-        if args.anchor_input:
-            self.add_anchor_input()
-
-    def add_anchor_input(self) -> None:
-        """Every block row also reads the anchor's own conditioning c[t] through `anchor_proj`,
-        zero-initialised: the drafter drafts exactly what it did, and training opens the path. In
-        plain DFlash the rows reach c[t] only through attention over the context."""
-        H = self.args.dim
-        self.anchor_proj = nn.Linear(H, H, bias=False).to(self.mask_embedding)
-        nn.init.zeros_(self.anchor_proj.weight)
-        self.args.anchor_input = True
 
     def states(self, feats, anchors, last_tokens, cache=None) -> torch.Tensor:
         """Pre-norm block states [B, N, B, H] (row 0 = the last token, rows 1.. = MASK)."""
@@ -101,8 +88,6 @@ class DBlast(BlockDrafter):
         first = self.embed(last_tokens)[:, :, None, :]  # [B, N, 1, H]
         masks = self.mask_embedding.to(first.dtype).expand(B, N, Bk - 1, H)
         x = torch.cat([first, masks], dim=2)
-        if a.anchor_input:
-            x = x + self.anchor_proj(cond.gather(1, anchors[..., None].expand(B, N, H)))[:, :, None, :]
         x = x.reshape(B, N * Bk, H)
         pos = (anchors[..., None] + 1 + torch.arange(Bk, device=anchors.device)).reshape(B, N * Bk)
         mask = block_mask(anchors, S, Bk, causal=False)

@@ -74,9 +74,6 @@ class TrainConfig:
                                    "layers than its own grow its input: the new ones start at zero weight)")
     n_categories: int = _opt(1, "categories Kz of the latent (1: plain DFlash)", DBLAST)
     qk_norm: bool = _opt(False, "per-head q/k RMSNorm (DFlash's; exports to upstream dflash exactly)", DBLAST)
-    anchor_input: bool = _opt(False, "experimental: every block row also reads the anchor's conditioning "
-                                     "(with --init: added, zero-initialised); torch only, not exportable yet",
-                              DBLAST)
     loss: str = _opt("nll", "nll | al (acceptance-length surrogate)", DBLAST)
     nll_weight: float = _opt(0.1, "--loss al: NLL kept beside the AL surrogate (stabilises the start)", DBLAST)
     tau: float = _opt(1e-3, "--loss al: truncation threshold of the surrogate", DBLAST)
@@ -193,7 +190,7 @@ def make_model_args(c: TrainConfig, target_args) -> dict:
         vocab_size=target_args.vocab_size, draft_vocab_size=c.draft_vocab_size,
         target_layers=list(c.target_layers or d["target_layers"]), target_dim=target_args.dim,
         block_size=c.block_size or d["block_size"], n_categories=c.n_categories, qk_norm=c.qk_norm,
-        anchor_input=c.anchor_input, norm_eps=target_args.norm_eps,
+        norm_eps=target_args.norm_eps,
     )
 
 
@@ -697,8 +694,6 @@ def train(c: TrainConfig, target=None, progress: bool = True, source=None) -> di
                 raise BlockspecError(f"--n-layer {c.n_layer}: --init {c.init} has {model.args.n_layer} layers "
                                      f"(a fine-tune keeps them or grows them)")
             model.grow_layers(c.n_layer)
-        if c.anchor_input and not getattr(model.args, "anchor_input", True):
-            model.add_anchor_input()
         if c.ffn_dim and c.ffn_dim != model.args.ffn_dim:
             if c.ffn_dim < model.args.ffn_dim:
                 raise BlockspecError(f"--ffn-dim {c.ffn_dim}: --init {c.init} has {model.args.ffn_dim} FFN units "

@@ -18,7 +18,6 @@ CONFIGS = {
     "dblast": dict(TINY, model_type="dblast", block_size=5, n_categories=1),
     "dblast_kz3": dict(TINY, model_type="dblast", block_size=4, n_categories=3, draft_vocab_size=20),
     "dblast_qk": dict(TINY, model_type="dblast", block_size=5, n_categories=1, qk_norm=True),
-    "dblast_anchor": dict(TINY, model_type="dblast", block_size=4, n_categories=2, anchor_input=True),
 }
 
 
@@ -29,8 +28,6 @@ def make(name, seed=0):
     m.bind_target(torch.randn(V, H, generator=g), torch.randn(V, H, generator=g))
     if m.args.draft_vocab_size:
         m.vocab.set_vocab(torch.randperm(V, generator=g)[: m.args.draft_vocab_size], m.target_head)
-    if getattr(m.args, "anchor_input", False):  # a trained path, not its zero start
-        m.anchor_proj.weight.data.normal_(0.0, 0.2, generator=g)
     return m.eval()
 
 
@@ -260,29 +257,6 @@ def test_drafter_grown_to_more_taps_drafts_what_it_did_then_learns(name):
     m2.load_state_dict(m.state_dict())
     with pytest.raises(ValueError, match="expected every one"):
         m.grow_target_layers(new[1:])
-
-
-def test_dblast_anchor_input_starts_as_it_was_then_learns(tmp_path):
-    """--anchor-input on a trained DBlast: the zero-initialised path leaves its drafts unchanged, the
-    path trains, its shape round-trips through its args, and a GGUF export refuses it in one line."""
-    from blockspec.converters.drafter import convert_drafter
-    from blockspec.runtime.errors import BlockspecError
-
-    m = make("dblast_kz3")
-    a = m.args
-    feats = torch.randn(1, 10, len(a.target_layers) * TD)
-    anchors, last = torch.tensor([[2, 7]]), torch.randint(0, V, (1, 2))
-    before = m(feats, anchors, last).logits
-    m.add_anchor_input()
-    out = m(feats, anchors, last).logits
-    torch.testing.assert_close(out, before, atol=1e-6, rtol=1e-6)
-    out.float().square().mean().backward()
-    assert m.anchor_proj.weight.grad.abs().sum() > 0
-    m2 = build_model(dataclasses.asdict(m.args))
-    m2.load_state_dict(m.state_dict())
-    with pytest.raises(BlockspecError, match="anchor-input"):
-        convert_drafter(m, tmp_path / "d.gguf", "f16", target=tmp_path / "none.gguf")
-    assert not (tmp_path / "d.gguf").exists()
 
 
 def test_tau_by_block_reads_the_accepted_prefix_histogram():
