@@ -32,8 +32,8 @@ def main(result: str, a: str, b: str, temperature: float) -> None:
         if r is None:
             raise click.ClickException(f"{result}: no row {name} at T = {temperature:g}")
         if "per_prompt" not in r:
-            raise click.ClickException(f"{result}: row {name} has no per-prompt figures (a bench run from before "
-                                 "the forty-third session)")
+            raise click.ClickException(f"{result}: row {name} has no per-prompt figures (a bench run from "
+                                       "before the forty-third session)")
         rows.append(r)
     pa, pb = rows[0]["per_prompt"], rows[1]["per_prompt"]
     common = sorted(set(pa["index"]) & set(pb["index"]))
