@@ -1200,12 +1200,14 @@ train-scratch-big: train-data-s22 train-data-s21 train-data-s20 train-data-s18
 # term (`--cross-block-weight`, in the trainer since commit e56ca4c, never measured until now) also trains a
 # second block anchored K after the first whose anchor conditioning is the first block's own last hidden state, not
 # the target's features: the drafter learns from its own outputs, as EAGLE-3's training-time test does. Stage 37 =
-# stage 36c's recipe (stage 34's) plus the term at weight 0.5; 36c is its control.
+# stage 36c's recipe (stage 34's, on the completed stage-22 cache) plus the term at weight 0.5; 36c is its control.
 # As run (`make -o setup -o train-data-s22 -o train-data-s21 train-specblock-s37 STAGE_THREADS=2`, alone, 30 min):
 # held-out 1.164 / 1.253 / 1.249 at steps 400 / 800 / 900 against 36c's 1.164 / 1.269 / 1.283 (its second block, drafted
 # from the first's own state: 0.718 / 0.841 accepted at 400 / 900); serving walk on the 244 evaluation prompts 1.948
 # against 36c's 1.965. For the K = 4 chain serving drafts it cost a little; not carried further.
-.PHONY: train-specblock-s37
+.PHONY: train-specblock-s37 train-specblock-s36c
+train-specblock-s36c: train-data-s22 train-data-s21 $(S32A_GGUF)
+	$(call specblock_stage,$(S34_SPECBLOCK_STEPS),24,$(S32A_GGUF),specblock-s36c,$(S22_DATA_DIR)$(,)$(S21_DATA_DIR),--precision bf16)
 train-specblock-s37: train-data-s22 train-data-s21 $(S32A_GGUF)
 	$(call specblock_stage,$(S34_SPECBLOCK_STEPS),24,$(S32A_GGUF),specblock-s37,$(S22_DATA_DIR)$(,)$(S21_DATA_DIR),--precision bf16 --cross-block-weight 0.5)
 
