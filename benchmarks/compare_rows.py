@@ -23,7 +23,7 @@ import click
 @click.argument("b")
 @click.option("--temperature", type=float, default=0.0, show_default=True)
 def main(result: str, a: str, b: str, temperature: float) -> None:
-    from blockspec.runtime.bench.run import speed_ratio_ci
+    from blockspec.runtime.bench.run import speed_ratio, speed_ratio_ci
 
     runs = {(r["method"], r["temperature"]): r for r in json.loads(open(result).read())["runs"]}
     rows = []
@@ -36,15 +36,10 @@ def main(result: str, a: str, b: str, temperature: float) -> None:
                                        "before the forty-third session)")
         rows.append(r)
     pa, pb = rows[0]["per_prompt"], rows[1]["per_prompt"]
-    common = sorted(set(pa["index"]) & set(pb["index"]))
-
-    def speed(p):
-        k = [p["index"].index(i) for i in common]
-        return sum(p["n_tokens"][j] for j in k) / sum(p["gen_s"][j] for j in k)
-
-    print(json.dumps({"temperature": temperature, "prompts": len(common),
+    ratio = speed_ratio(pa, pb)
+    print(json.dumps({"temperature": temperature, "prompts": len(set(pa["index"]) & set(pb["index"])),
                       a: rows[0]["speedup_vs_plain"], b: rows[1]["speedup_vs_plain"],
-                      "ratio": round(speed(pa) / speed(pb), 4) if common else None,
+                      "ratio": None if ratio is None else round(ratio, 4),
                       "ratio_ci95": speed_ratio_ci(pa, pb)}, indent=1))
 
 

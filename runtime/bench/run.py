@@ -389,21 +389,35 @@ def _per_prompt(recs: dict[int, Record]) -> dict:
     return {"index": idx, "n_tokens": [recs[i].n_tokens for i in idx], "gen_s": [recs[i].gen_s for i in idx]}
 
 
-def speed_ratio_ci(a: dict, b: dict, n_boot: int = 2000, level: float = 0.95, seed: int = 0) -> list[float] | None:
-    """Interval of row a's speed over row b's (tokens / seconds, each summed over the prompts both
-    completed, as speedup_vs_plain is taken) by a paired bootstrap over those prompts: how far the
-    ratio could move on another draw of prompts like these. a, b: rows' "per_prompt" entries. None
-    with fewer than 2 shared prompts. Where the two rows sample different texts (T > 0, or another
-    engine's kernels) the prompt-to-prompt spread holds that too."""
+def _paired(a: dict, b: dict):
+    """Rows a's and b's per-prompt tokens and seconds over the prompts both completed, in one order:
+    four float arrays (a tokens, a seconds, b tokens, b seconds)."""
     import numpy as np
 
     ia, ib = ({i: k for k, i in enumerate(x["index"])} for x in (a, b))
     common = sorted(ia.keys() & ib.keys())
-    if len(common) < 2:
+    return tuple(np.array([x[key][m[i]] for i in common], float)
+                 for x, m, key in ((a, ia, "n_tokens"), (a, ia, "gen_s"), (b, ib, "n_tokens"), (b, ib, "gen_s")))
+
+
+def speed_ratio(a: dict, b: dict) -> float | None:
+    """Row a's speed over row b's: tokens / seconds, each summed over the prompts both completed (as
+    speedup_vs_plain is taken). a, b: rows' "per_prompt" entries. None without a shared prompt."""
+    at, as_, bt, bs = _paired(a, b)
+    return float((at.sum() / as_.sum()) / (bt.sum() / bs.sum())) if len(at) else None
+
+
+def speed_ratio_ci(a: dict, b: dict, n_boot: int = 2000, level: float = 0.95, seed: int = 0) -> list[float] | None:
+    """Interval of `speed_ratio(a, b)` by a paired bootstrap over the shared prompts: how far the
+    ratio could move on another draw of prompts like these. None with fewer than 2 shared prompts.
+    Where the two rows sample different texts (T > 0, or another engine's kernels) the
+    prompt-to-prompt spread holds that too."""
+    import numpy as np
+
+    at, as_, bt, bs = _paired(a, b)
+    if len(at) < 2:
         return None
-    at, as_, bt, bs = (np.array([x[key][m[i]] for i in common], float)
-                       for x, m, key in ((a, ia, "n_tokens"), (a, ia, "gen_s"), (b, ib, "n_tokens"), (b, ib, "gen_s")))
-    pick = np.random.default_rng(seed).integers(0, len(common), size=(n_boot, len(common)))
+    pick = np.random.default_rng(seed).integers(0, len(at), size=(n_boot, len(at)))
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = (at[pick].sum(1) / as_[pick].sum(1)) / (bt[pick].sum(1) / bs[pick].sum(1))
     ratio = ratio[np.isfinite(ratio)]
