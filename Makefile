@@ -1160,7 +1160,7 @@ SCRATCH_STEPS ?= 1500
 SCRATCH_DATA = $(S22_DATA_DIR)$(,)$(S21_DATA_DIR)$(,)$(S20_DATA_DIR)$(,)$(S18_DATA_DIR)
 define scratch_run
 $(TRAIN) specblock --target $(SMOLLM2) --data $(SCRATCH_DATA) --batch-size 8 --anchors-per-seq 64 --lr 1e-3 \
-	--warmup 100 --eval-batches 16 --threads $(STAGE_THREADS) --steps $(SCRATCH_STEPS) --eval-every 500 --save-every 50 \
+	--warmup 100 --eval-batches 16 --threads $(STAGE_THREADS) --steps $(or $(4),$(SCRATCH_STEPS)) --eval-every 500 --save-every 50 \
 	--log-every 50 --distill-weight 0.5 --draft-vocab-size 4096 --precision bf16 --seed 25 --n-layer $(1) \
 	--ffn-dim $(2) --out $(TRAIN_DIR)/$(3) >> $(TRAIN_DIR)/$(3).log 2>&1
 endef
@@ -1169,6 +1169,21 @@ train-scratch-small: train-data-s22 train-data-s21 train-data-s20 train-data-s18
 	$(call scratch_run,2,768,specblock-scratch-small)
 train-scratch-big: train-data-s22 train-data-s21 train-data-s20 train-data-s18
 	$(call scratch_run,4,1024,specblock-scratch-big)
+
+# How far one clean run goes (forty-fourth session): the shipped shape from scratch, `train-scratch-small`'s recipe
+# and seed (same vocabulary, split and batches), one cosine over SCRATCH_LONG_STEPS. The shipped 32a is ~30k steps of
+# stage-wise fine-tunes, each averaged with its start; scratch-small's 1,500 steps walked 1.590 against 32a's 2.026.
+# Resumes from its last checkpoint when run again (`blockspec train` picks up --out). As run (`make -o setup -o
+# train-data-s22 -o train-data-s21 -o train-data-s20 -o train-data-s18 train-scratch-long STAGE_THREADS=1`, alone, 105
+# min): held-out 0.587 / 0.754 / 0.887 / 1.015 / 1.128 / 1.211 / 1.240 at steps 500-3,000 and 3,600, above 32a's 1.146
+# on the same held-out answers (`blockspec train eval --drafter D --data <the four caches> --target SMOLLM2 --batches
+# 64`; scratch-small 0.981); but the serving walk on the 244 evaluation prompts (`blockspec train eval --drafter D
+# --data $(TRAIN_DIR)/eval-smollm2-bench --target SMOLLM2 --batches 64 --by-source --walk`) 1.778 (MT-Bench 1.715,
+# HumanEval 1.815; 48.9% of passes accepting) against 32a's 2.026: not benched, not shipped.
+SCRATCH_LONG_STEPS ?= 3600
+.PHONY: train-scratch-long
+train-scratch-long: train-data-s22 train-data-s21 train-data-s20 train-data-s18
+	$(call scratch_run,2,768,specblock-scratch-long,$(SCRATCH_LONG_STEPS))
 
 # Context tokens (forty-second session), measured and removed: SpecBlock's context rows carry the target's features
 # only, and `benchmarks/first_token_confidence.py --walk` showed the drafter copies badly (where the 3-token lookup
