@@ -1,6 +1,6 @@
 """Where a speculative step's time goes (issue 14, item 2): target decode, drafter, and the rest.
 
-    .venv/bin/python benchmarks/step_overhead.py [--methods plain,ngram,specblock] [--threads N]
+    .venv/bin/python benchmarks/step_overhead.py [--methods plain,ngram,specblock,ngram-auto] [--threads N]
         [--max-tokens 128] [--temperature 0] [--prompts 4]
 
 Generates with each method on the same prompts (the bench's: the first --prompts of each of MT-Bench
@@ -38,11 +38,15 @@ def main(argv=None) -> dict:
     from blockspec.runtime.llama.prompt import chat_tokens
 
     methods = args.methods.split(",")
-    drafters = {m: make_drafter(m) for m in methods}
+    # a method name ending in -auto runs --block-size auto (as the bench's ngram-auto rows)
+    drafters = {m: make_drafter(m.removesuffix("-auto"), block_size="auto" if m.endswith("-auto") else 4)
+                for m in methods}
     sampling = SamplingParams(temperature=args.temperature, seed=0)
     res: dict = dict(threads=args.threads, max_tokens=args.max_tokens, temperature=args.temperature)
     with open_target_for(bundled_model_path(), [d for d in drafters.values() if d is not None],
                          n_threads=args.threads) as t:
+        if any(d is not None for d in drafters.values()):
+            t.exact_batch_limit  # the one-time probe (its decodes are not generation time)
         decode, prefill = t.decode, t.prefill
         spent = [0.0]
         in_prefill = [False]

@@ -115,6 +115,27 @@ def test_ngram_continues_the_longest_match():
     assert NgramDrafter(block_size=2).propose([1, 2, 3, 4]).kind is None  # no match: a plain step
 
 
+def test_ngram_index_follows_the_history_it_is_given():
+    """The lookup indexes the history it last saw and extends that index as a generation appends;
+    a history that is not an extension (another request, a rewound one) is looked up afresh: every
+    proposal equals a fresh drafter's on the same history."""
+    import random
+
+    from blockspec.runtime.drafters.ngram import NgramDrafter
+
+    rng = random.Random(0)
+    kept = NgramDrafter(block_size=3, branches=2, min_ngram=2, max_ngram=3)
+    history = [rng.randrange(6) for _ in range(5)]
+    for step in range(400):
+        if step % 50 == 49:
+            cut = rng.randint(1, len(history) - 1)  # another history, longer but not an extension
+            history = history[:cut] + [(history[cut] + 1) % 6] + [rng.randrange(6) for _ in range(len(history) - cut)]
+        fresh = NgramDrafter(block_size=3, branches=2, min_ngram=2, max_ngram=3).propose(history)
+        got = kept.propose(history)
+        assert (got.tokens, got.parents, got.kind) == (fresh.tokens, fresh.parents, fresh.kind)
+        history = history + [rng.randrange(6) for _ in range(rng.randint(1, 3))]
+
+
 def test_a_slow_first_plain_pass_does_not_stick():
     """The first plain step after a prefill ran 30x slow: the estimate keeps the faster second one,
     so a drafter that does not pay still falls back to plain steps."""
