@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import Sequence
 
-
 from blockspec.runtime.drafters.base import Drafter
 from blockspec.runtime.drafters.tree import DraftTree
 
