@@ -94,11 +94,12 @@ class NgramDrafter(Drafter):
         h = history if isinstance(history, list) else [int(t) for t in history]
         known = self._hist
         if h[:len(known)] != known:
-            known, self._starts = [], {n: {} for n in range(self.min_ngram, self.max_ngram + 1)}
+            known = self._hist = []
+            self._starts = {n: {} for n in range(self.min_ngram, self.max_ngram + 1)}
         for n, starts in self._starts.items():
             for i in range(max(len(known) - n, 0), len(h) - n):
                 starts.setdefault(tuple(h[i:i + n]), []).append(i)
-        self._hist = list(h)
+        known.extend(h[len(known):])  # only the new tokens: the history is not copied each step
         return h
 
 
