@@ -245,3 +245,36 @@ def test_law_on_its_support_is_the_dense_computation():
         rest[tok] = 0
         if rest.sum() > 0:
             np.testing.assert_allclose(lp.without(tok).dense(n), rest / rest.sum(), rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0.7), dict(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0)])
+def test_sample_takes_the_laws_token_and_uniform_seed_for_seed(params):
+    """sample (patch 0012: the law and its draw in one C call, no law handed back) and
+    target_law(...).draw take the same token and one uniform each, so a seed gives the same tokens
+    either way: sample-and-match keeps plain decoding's output for the same seed. The second case's
+    law is the whole vocabulary (Law.draw's numpy cumsum, not its short-list walk)."""
+    from blockspec.runtime.engine.sampling import sample
+
+    rs = np.random.default_rng(2)
+    p = SamplingParams(**params)
+    a, b = np.random.default_rng(5), np.random.default_rng(5)
+    for _ in range(100):
+        x = (rs.standard_normal(49152) * 4).astype(np.float32)
+        assert sample(x, p, a) == target_law(x, p).draw(b)
+    assert a.random() == b.random()
+
+
+def test_greedy_draw_is_numpys_argmax():
+    """blockspec_sample at temperature 0, which plain greedy steps take on the target's row in
+    place: numpy's argmax, ties to the first, a NaN the largest, rows of -inf, any length."""
+    from blockspec.runtime.llama.ext import blockspec_sample
+
+    rs = np.random.default_rng(3)
+    rows = [np.round(rs.standard_normal(n)).astype(np.float32) for n in (1, 63, 64, 65, 5000) for _ in range(20)]
+    for pos in ((3000,), (17, 4000)):
+        x = rs.standard_normal(5000).astype(np.float32)
+        x[list(pos)] = np.nan
+        rows.append(x)
+    rows += [np.full(5000, -np.inf, np.float32), np.where(np.arange(5000) == 4999, np.inf, 0.0).astype(np.float32)]
+    for x in rows:
+        assert blockspec_sample(x.ctypes.data, x.shape[0], 40, 0.95, 0.05, 0.0, 0.0) == int(np.argmax(x))

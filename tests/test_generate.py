@@ -9,7 +9,7 @@ import pytest
 
 from blockspec.runtime.engine.generate import generate
 from blockspec.runtime.llama.prompt import prompt_tokens
-from blockspec.runtime.engine.sampling import SamplingParams, target_distribution
+from blockspec.runtime.engine.sampling import SamplingParams, make_rng, target_distribution, target_law
 
 from conftest import run_cli
 
@@ -54,6 +54,27 @@ def test_sampling_is_reproducible_and_respects_filters(smollm2):
     probs = target_distribution(logits, p, tokens)
     assert probs[a.tokens[0]] > 0
     assert (probs > 0).sum() <= 20
+
+
+@pytest.mark.parametrize("params", [dict(temperature=1.0, seed=7), dict(temperature=0.0),
+                                    dict(temperature=0.9, repeat_penalty=1.2, seed=3)])
+def test_plain_steps_draw_what_the_law_draws(smollm2, params):
+    """Plain steps sample the target's output row where llama.cpp holds it (sampling.sample_row, one
+    C call); a loop that copies each row and draws from its law with the same seed gets the same
+    tokens (the penalised case goes through the copy)."""
+    p = SamplingParams(**params)
+    tokens = prompt_tokens(smollm2, PROMPTS[2])
+    ours = generate(smollm2, tokens, max_tokens=32, sampling=p)
+    smollm2.clear()
+    rng, hist, ref = make_rng(p.seed), list(tokens), []
+    logits = smollm2.prefill(tokens)
+    while len(ref) < len(ours.tokens):
+        ref.append(target_law(logits, p, hist).draw(rng))
+        hist.append(ref[-1])
+        smollm2.decode([ref[-1]], [len(hist) - 1])
+        logits = smollm2.logits_row(-1)
+    smollm2.clear()
+    assert ours.n_tokens > 0 and ours.tokens == ref
 
 
 def test_target_distribution_matches_manual_chain():

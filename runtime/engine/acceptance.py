@@ -44,7 +44,7 @@ from typing import Sequence
 
 import numpy as np
 
-from blockspec.runtime.engine.sampling import SamplingParams, penalize, target_law
+from blockspec.runtime.engine.sampling import SamplingParams, penalize, sample, target_law
 from blockspec.runtime.drafters.tree import DraftTree
 
 
@@ -84,16 +84,17 @@ def accept_sampled(tree: DraftTree, logits: np.ndarray, sampling: SamplingParams
     node, accepted = 0, []
     needs_history = sampling.repeat_penalty != 1.0
     while True:
-        p = target_law(logits[node], sampling, _node_history(tree, node, history) if needs_history else ())
-        if not kids[node]:
-            return Verdict(accepted, p.draw(rng), bonus=True)
-        nxt = None
-        if tree.q[kids[node][0]] is None:  # deterministic children: sample-and-match
-            x = p.draw(rng)
+        node_history = _node_history(tree, node, history) if needs_history else ()
+        if not kids[node] or tree.q[kids[node][0]] is None:
+            # a leaf's bonus, or deterministic children (sample-and-match): a token, not the law
+            x = sample(logits[node], sampling, rng, node_history)
+            if not kids[node]:
+                return Verdict(accepted, x, bonus=True)
             nxt = next((c for c in kids[node] if tree.tokens[c] == x), None)
             if nxt is None:
                 return Verdict(accepted, x, bonus=False)
         else:
+            p = target_law(logits[node], sampling, node_history)
             for c in kids[node]:
                 x, q = tree.tokens[c], tree.q[c]
                 qx = q[x]

@@ -18,7 +18,7 @@ import numpy as np
 
 from blockspec.runtime.errors import BlockspecError
 from blockspec.runtime.drafters.base import common_prefix
-from blockspec.runtime.engine.sampling import SamplingParams, make_rng, sample
+from blockspec.runtime.engine.sampling import SamplingParams, make_rng, sample, sample_row
 
 
 @dataclass
@@ -90,16 +90,17 @@ StepFn = Callable[[StepState], Iterator[list[int]]]
 
 
 def plain_steps(s: StepState) -> Iterator[list[int]]:
-    """One target pass per token: sample from the current logits, decode it, repeat."""
+    """One target pass per token: sample from the current logits, decode it, repeat (the pass's
+    row is sampled where llama.cpp holds it: sampling.sample_row)."""
     t = s.target
+    tok = sample(s.logits, s.sampling, s.rng, s.tokens)  # the prefill pass's token
     while True:
-        tok = sample(s.logits, s.sampling, s.rng, s.tokens)
         s.stats.record_pass(0)
         yield [tok]
         t0 = time.perf_counter()
         t.decode([tok], [len(s.tokens) - 1])  # the caller appended tok to s.tokens
-        s.logits = t.logits_row(-1)
         s.stats.verify_s += time.perf_counter() - t0
+        tok = sample_row(t, -1, s.sampling, s.rng, s.tokens)
 
 
 def _prefill(target, prompt: list[int], drafter) -> np.ndarray:

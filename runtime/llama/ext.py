@@ -13,7 +13,7 @@ import ctypes
 from llama_cpp import llama_cpp as _raw
 
 # runtime needs at least this BLOCKSPEC_EXT_ABI level from the library
-REQUIRED_ABI = 5
+REQUIRED_ABI = 6
 
 _lib = _raw._lib
 _ctx_p = _raw.llama_context_p_ctypes
@@ -106,6 +106,14 @@ blockspec_sampling_law = _bind(
     "blockspec_sampling_law",
     [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_double, ctypes.c_double, ctypes.c_double,
      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32], ctypes.c_int32)
+
+# int32_t blockspec_sample(const float * x, int32_t n, int32_t top_k, double top_p, double min_p, double temp,
+#                          double u);
+# (patch 0012: one token from that law at uniform u, as Law.draw; temp <= 0: argmax; -1 bad arguments)
+blockspec_sample = _bind(
+    "blockspec_sample",
+    [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_double, ctypes.c_double, ctypes.c_double,
+     ctypes.c_double], ctypes.c_int32)
 
 
 def check_abi() -> int:

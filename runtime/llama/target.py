@@ -155,6 +155,9 @@ class Target:
         self.n_vocab = ll.llama_vocab_n_tokens(self._vocab)
         self.n_embd = ll.llama_model_n_embd(self._model)
         self.n_layer = ll.llama_model_n_layer(self._model)
+        # the vocabulary's answers, memoised: every emitted token asks both (~50 us a token in ctypes)
+        self._pieces: dict[tuple[int, bool], bytes] = {}
+        self._eog: dict[int, bool] = {}
 
         cp = ll.llama_context_default_params()
         cp.n_ctx = cfg.n_ctx
@@ -238,7 +241,10 @@ class Target:
         return _raw().llama_vocab_eos(self._vocab)
 
     def is_eog(self, token: int) -> bool:
-        return bool(_raw().llama_vocab_is_eog(self._vocab, token))
+        eog = self._eog.get(token)
+        if eog is None:
+            eog = self._eog[token] = bool(_raw().llama_vocab_is_eog(self._vocab, token))
+        return eog
 
     def token_text(self, token: int) -> str:
         return _raw().llama_vocab_get_text(self._vocab, token).decode("utf-8", "replace")
@@ -256,6 +262,12 @@ class Target:
         return list(buf[:n])
 
     def token_bytes(self, token: int, special: bool = False) -> bytes:
+        piece = self._pieces.get((token, special))
+        if piece is None:
+            piece = self._pieces[token, special] = self._token_bytes(token, special)
+        return piece
+
+    def _token_bytes(self, token: int, special: bool) -> bytes:
         ll = _raw()
         buf = ctypes.create_string_buffer(64)
         n = ll.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
@@ -322,10 +334,15 @@ class Target:
 
     def logits_row(self, i: int = -1) -> np.ndarray:
         """Logits of the i-th requested output row of the last decode (-1: last), a copy."""
+        return float_view(self.logits_pointer(i), (self.n_vocab,)).copy()
+
+    def logits_pointer(self, i: int = -1):
+        """A ctypes float pointer to that row in llama.cpp's buffer (n_vocab floats), valid until this
+        context's next decode: for a C call that reads the row in place (sampling.sample_row)."""
         ptr = _raw().llama_get_logits_ith(self._ctx, i)
         if not ptr:
             raise RuntimeError(f"no logits for output row {i}")
-        return float_view(ptr, (self.n_vocab,)).copy()
+        return ptr
 
     def logits_rows(self, n: int) -> np.ndarray:
         """[n, n_vocab] logits of the last decode's n requested rows, in batch order
