@@ -59,7 +59,8 @@ def commit_tree(target, ids: list[list[int]], n_seqs: int, n_past: int, verdict:
     only trims its rejected tail; a tree's accepted cells are packed next to the root, so the
     cache is laid out exactly as a chain's."""
     if not n_seqs:
-        target.remove(MAIN_SEQ, n_past + 1 + len(verdict.accepted), -1)
+        if len(verdict.accepted) + 1 < len(ids):  # a rejected tail (a plain step or a full accept has none)
+            target.remove(MAIN_SEQ, n_past + 1 + len(verdict.accepted), -1)
         return
     if verdict.accepted:
         winner = ids[verdict.accepted[-1]][0]  # a leaf id below the last accepted node
