@@ -186,3 +186,19 @@ def test_auto_is_lossless(target, method):
     got = generate(target, prompt, max_tokens=40, sampling=greedy, drafter=d)
     assert got.tokens == want
     assert len(d.policy.depths) >= 2 and d.policy.depths[0] == d.block_size  # measured a full draft first
+
+
+def test_deeper_sizes_follow_one_rows_cost():
+    """A deeper size's cost is kept relative to one row's: when plain steps find one row dearer (a
+    longer context), a size measured earlier is read as dearer by the same factor, not at the seconds
+    of its last measurement (which had made drafts look dear after a long request, cheap after a short one)."""
+    p = DepthPolicy(4)
+    for _ in range(3):
+        p.record(0, 0, 0.010, None, 1)
+    for _ in range(3):
+        p.record(1, 1, 0.0125, None, 2)
+    assert p.verify_cost(2) == pytest.approx(0.0125)
+    for _ in range(40):
+        p.record(0, 0, 0.020, None, 1)
+    assert p.verify_cost(1) == pytest.approx(0.020, rel=1e-3)
+    assert p.verify_cost(2) == pytest.approx(0.025, rel=1e-3)

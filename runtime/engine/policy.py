@@ -22,8 +22,10 @@ pays to draft it deeper.
 
 Estimates, all running (they follow the text and the machine):
 - V(n): exponential average of the measured pass time per n (after the fastest of its first
-  SETTLE passes); an n never measured is read off the
-  straight line through the nearest measured sizes (one measured size: V scales with n from it);
+  SETTLE passes); for n > 1 the average is of the pass's time over V(1)'s at that moment, so V(n)
+  moves with V(1), which a plain step measures and the context's length moves; an n never measured
+  is read off the straight line through the nearest measured sizes (one measured size: V scales
+  with n from it);
 - D: exponential average of the measured draft time;
 - P(>= j) = c_1 * ... * c_j, where c_i, the chance that drafted token i is accepted once tokens
   1..i-1 were, comes from counts of the steps of that kind that reached token i, decayed at
@@ -53,6 +55,14 @@ ALPHA = 0.2       # weight of a new measurement in the time averages
 SETTLE = 2
 EXPLORE = 8       # while k = 0 wins, probe with one drafted token after EXPLORE plain steps ...
 MAX_EXPLORE = 128  # ... then after twice as many each time, up to this many
+
+
+def _settled(avg: float | None, x: float, n: int) -> float:
+    """The running estimate after its n-th measurement x: the fastest of the first SETTLE, then an
+    exponential average (see SETTLE)."""
+    if avg is None:
+        return x
+    return min(avg, x) if n <= SETTLE else (1 - ALPHA) * avg + ALPHA * x
 
 
 class _Acceptance:
@@ -105,6 +115,11 @@ class DepthPolicy:
         self.explore = explore
         self.verify_s: dict[int, float] = {}   # rows -> average seconds of a target pass
         self.verify_n: dict[int, int] = {}     # rows -> passes measured
+        # rows > 1 -> average of a pass's seconds over V(1)'s when it was measured: V(1) is measured nearly every
+        # step and follows the context's length, a deeper size only when drafted; kept as ratios, V(n) =
+        # ratio * V(1) moves with V(1) instead of keeping the context of its last measurement
+        self.ratio: dict[int, float] = {}
+        self.ratio_n: dict[int, int] = {}
         self.draft_s: float | None = None
         # kind -> estimate; None: the model drafter's (prior 1/2, one pseudo-try; BlockPilot sets it)
         self.kinds: dict[Hashable, _Acceptance] = {None: _Acceptance(max_depth, 0.5, explore)}
@@ -198,10 +213,16 @@ class DepthPolicy:
         taken, a target pass over `rows` rows taking `verify_s`, and the model draft taking
         `draft_s` (None: the model drafter did not run)."""
         n = self.verify_n[rows] = self.verify_n.get(rows, 0) + 1
-        if n <= SETTLE:  # a size's first passes: the fastest (see SETTLE)
-            self.verify_s[rows] = min(verify_s, self.verify_s.get(rows, verify_s))
+        if rows > 1 and 1 in self.verify_s:  # relative to one row's cost now (see self.ratio)
+            r = verify_s / self.verify_s[1]
+            m = self.ratio_n[rows] = self.ratio_n.get(rows, 0) + 1
+            self.ratio[rows] = _settled(self.ratio.get(rows), r, m)
+            self.verify_s[rows] = self.ratio[rows] * self.verify_s[1]
         else:
-            self.verify_s[rows] = (1 - ALPHA) * self.verify_s[rows] + ALPHA * verify_s
+            self.verify_s[rows] = _settled(self.verify_s.get(rows), verify_s, n)
+            if rows == 1:
+                for m, r in self.ratio.items():
+                    self.verify_s[m] = r * self.verify_s[1]
         if draft_s is not None:
             self.draft_s = draft_s if self.draft_s is None else (1 - ALPHA) * self.draft_s + ALPHA * draft_s
         if drafted and kind in self.kinds:
