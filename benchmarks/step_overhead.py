@@ -32,15 +32,19 @@ def main(argv=None) -> dict:
 
     from blockspec.runtime.engine.generate import generate
     from blockspec.runtime.engine.sampling import SamplingParams
-    from blockspec.runtime.engine.setup import make_drafter, open_target_for
+    from blockspec.runtime.engine.setup import NO_PILOT, make_drafter, open_target_for
     from blockspec.runtime.format.modelfile import bundled_model_path
-    from blockspec.runtime.bench.run import load_prompts
+    from blockspec.runtime.bench.run import METHODS, load_prompts, method
     from blockspec.runtime.llama.prompt import chat_tokens
 
     methods = args.methods.split(",")
-    # a method name ending in -auto runs --block-size auto (as the bench's ngram-auto rows)
-    drafters = {m: make_drafter(m.removesuffix("-auto"), block_size="auto" if m.endswith("-auto") else 4)
-                for m in methods}
+    # method names as the bench reads them (ngram-auto: --block-size auto, as its rows)
+    unknown = [m for m in methods if m.partition("@")[0] not in METHODS]
+    if unknown:
+        ap.error(f"unknown method {', '.join(unknown)}; the bench's: {', '.join(METHODS)}")
+    specs = {m: method(m) for m in methods}
+    drafters = {m: make_drafter(s.base, block_size="auto" if s.auto else 4, branches=s.branches, blockpilot=NO_PILOT)
+                for m, s in specs.items()}
     sampling = SamplingParams(temperature=args.temperature, seed=0)
     res: dict = dict(threads=args.threads, max_tokens=args.max_tokens, temperature=args.temperature)
     with open_target_for(bundled_model_path(), [d for d in drafters.values() if d is not None],
