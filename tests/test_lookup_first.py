@@ -39,6 +39,19 @@ def test_lookup_first_is_lossless_and_uses_both(target, method):
     assert len(d.model.tokens) == len(prompt) + len(spec.tokens) - 1  # it held every committed row
 
 
+def test_lookup_first_with_a_model_tree_is_lossless(smollm2_path):
+    """`specblock+ngram-tree` (the bench's): the lookup's chain where the history repeats, else
+    SpecBlock's rank-head tree of up to 4 x 4 nodes, each leaf a sequence of its own."""
+    d = make_drafter("specblock+ngram", block_size=4, branches=4)
+    assert d.max_leaves > 1 and d.model.tree
+    with Target(smollm2_path, TargetConfig(n_ctx=1024, n_seq_max=1 + d.max_leaves)) as t:
+        prompt = prompt_tokens(t, REPEAT)
+        plain = generate(t, prompt, max_tokens=96, sampling=SamplingParams(temperature=0.0))
+        spec = generate(t, prompt, max_tokens=96, sampling=SamplingParams(temperature=0.0), drafter=d)
+    assert spec.tokens == plain.tokens
+    assert 0 < d.lookup_steps < spec.stats.target_passes - 1
+
+
 def test_lookup_first_sampled_follows_target_law(target):
     """T > 0: steps drafted by the lookup (deterministic, sample-and-match) and by SpecBlock (drawn
     from its own law, rejection sampling) in one generation. On a prompt that repeats, the first

@@ -105,6 +105,8 @@ METHODS: dict[str, Method] = {
     # n-gram lookup where the history repeats, the shipped model drafter elsewhere (drafters/ngram.py LookupFirst)
     "specblock+ngram": Method("specblock+ngram", needs_drafter=True, shipped="specblock"),
     "specblock+ngram-pilot": Method("specblock+ngram", needs_drafter=True, shipped="specblock", pilot=True),
+    # the lookup's chain where the history repeats, else SpecBlock's rank-head tree (what a GPU verifies for ~one token)
+    "specblock+ngram-tree": Method("specblock+ngram", branches=4, needs_drafter=True, shipped="specblock"),
     # the lookup's drafts cut per match-length class, the model's depth per step (runtime/engine/policy.py)
     "specblock+ngram-auto": Method("specblock+ngram", needs_drafter=True, shipped="specblock", auto=True),
     "dblast+ngram": Method("dblast+ngram", needs_drafter=True, shipped="dblast"),
