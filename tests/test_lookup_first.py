@@ -97,3 +97,19 @@ def test_lookup_first_auto_is_lossless(target):
     assert d.lookup_steps > 0
     assert None in d.policy.kinds and len(d.policy.kinds) > 1, d.policy.kinds  # the model's and a lookup's
     assert len(d.model.tokens) == len(prompt) + len(spec.tokens) - 1
+
+
+@pytest.mark.parametrize("arch", ["specblock", "dblast"])
+def test_a_drafter_without_a_method_gets_the_lookup_in_front_at_auto(arch):
+    """`--drafter X` and no `--method`: X's method with the lookup in front, its depth per step
+    (engine.setup.default_method), greedy output plain decoding's; with --adapt the drafter alone."""
+    from blockspec.runtime.engine.setup import default_method, shipped_drafter
+    from blockspec.runtime.frontends.api import run_generate
+
+    path = shipped_drafter(arch)
+    assert default_method(None, path) == f"{arch}+ngram"
+    assert default_method(None, path, adapt=True) == arch
+    assert make_drafter(f"{arch}+ngram", path).policy is not None  # --block-size auto by default
+    got = run_generate(REPEAT, drafter=path, max_tokens=48)
+    want = run_generate(REPEAT, method="plain", max_tokens=48)
+    assert got.stats.method == f"{arch}+ngram" and got.tokens == want.tokens

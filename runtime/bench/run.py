@@ -110,6 +110,7 @@ METHODS: dict[str, Method] = {
     # the lookup's drafts cut per match-length class, the model's depth per step (runtime/engine/policy.py)
     "specblock+ngram-auto": Method("specblock+ngram", needs_drafter=True, shipped="specblock", auto=True),
     "dblast+ngram": Method("dblast+ngram", needs_drafter=True, shipped="dblast"),
+    "dblast+ngram-auto": Method("dblast+ngram", needs_drafter=True, shipped="dblast", auto=True),
     # plain DFlash (one category, q/k norm): the weights llama.cpp-dflash runs in upstream's engine
     "dblast-kz1": Method("dblast", needs_drafter=True, shipped="dblast-kz1"),
     "dblast-kz1-auto": Method("dblast", needs_drafter=True, shipped="dblast-kz1", auto=True),

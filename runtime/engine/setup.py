@@ -22,15 +22,21 @@ def shipped_drafter(method: str) -> str | None:
     return None
 
 
-def default_method(model_path: str | None, drafter_path: str | None = None) -> str:
-    """`--method` when none is given: the method of `drafter_path` (its GGUF arch or checkpoint
-    model_type); without a drafter, the n-gram lookup, whose depth `--block-size auto` picks each
-    step (make_drafter; 0: a plain step where drafting does not pay). It needs no drafter, works on
-    any target, and its output is plain decoding's token for token, greedy or sampled with the same
-    seed (its drafts are deterministic: sample-and-match draws every token as a plain step does). On
-    the bench (80 MT-Bench + HumanEval prompts, 256 tokens, 2-core CPU, README) it ran 1.33-1.35x
-    plain at T = 0 and 1.06-1.07x at T = 1, where the shipped SpecBlock alone at its block of 4 ran
-    0.87x; the shipped drafters are used by naming their method (`--method specblock+ngram`)."""
+def default_method(model_path: str | None, drafter_path: str | None = None, adapt: bool = False) -> str:
+    """`--method` when none is given: the fastest lossless method measured for what is given, each
+    at `--block-size auto` (make_drafter's default for these chains: each step's depth from measured
+    costs, 0 = a plain step where drafting does not pay; on a GPU, where a deep verify costs about
+    one row, it drafts the whole block).
+    - No drafter: the n-gram lookup (`ngram`). It works on any target, and its drafts are
+      deterministic, so its output is plain decoding's token for token, greedy or sampled with the
+      same seed (sample-and-match draws every token as a plain step does).
+    - A drafter: its method (the GGUF arch or checkpoint model_type) with the lookup in front
+      (`specblock+ngram`, `dblast+ngram`), or the drafter alone with `adapt` (the adaptation learns
+      from the model drafter's own blocks).
+    Bench, 2-core CPU, 256 tokens (README): `ngram-auto` 1.33-1.35x plain at T = 0 and 1.06-1.07x
+    at T = 1 (80 prompts); with the shipped drafters `specblock+ngram-auto` 1.36x / 1.05x and
+    `dblast+ngram-auto` 1.34x / 1.05x where SpecBlock alone at its block of 4 ran 0.90x / 0.74x (40
+    prompts). `--method plain` decodes without a drafter."""
     import json
     from pathlib import Path
 
@@ -51,7 +57,7 @@ def default_method(model_path: str | None, drafter_path: str | None = None) -> s
                              "pass --method") from None
     if arch not in ("specblock", "dblast"):
         raise BlockspecError(f"{p} is a {arch!r} file, not a specblock or dblast drafter")
-    return arch
+    return arch if adapt else f"{arch}+ngram"
 
 
 # the deepest n-gram draft `--block-size auto` considers. Replayed on the target's greedy answers to
@@ -109,12 +115,12 @@ def make_drafter(method: str, drafter_path: str | None = None, backend: str | No
     whose acceptance prior comes from the drafter's BlockPilot when it has one; "pilot": the
     block size BlockPilot picks for each request after its prefill (runtime/engine/pilot.py).
     `blockpilot`: the pilot GGUF (None: `<drafter stem>.blockpilot.gguf` next to the drafter;
-    "none": no pilot). block_size None: auto for a chain n-gram (the bench's ngram-auto: 1.08x plain
-    at T = 0 on the 2-core CPU, 4 tokens a pass 0.96x), 4 otherwise."""
+    "none": no pilot). block_size None: auto for a chain with the n-gram lookup (`ngram`,
+    `specblock+ngram`, `dblast+ngram`: default_method's figures), 4 otherwise."""
     from blockspec.runtime.errors import BlockspecError
 
-    if block_size is None:  # the method's default: the n-gram chain's depth per match, a model's block of 4
-        block_size = "auto" if method == "ngram" and branches == 1 else 4
+    if block_size is None:  # the method's default: a chain with the lookup in it picks each step's depth; else a block of 4
+        block_size = "auto" if method.endswith("ngram") and branches == 1 else 4
     block_size = parse_block_size(block_size)
     base, plus, extra = method.partition("+")
     if plus:  # `specblock+ngram`: n-gram lookup first, the model drafter elsewhere

@@ -22,7 +22,7 @@ def run_generate(prompt: str, *, model: str | None = None, method: str | None = 
     online adaptation (runtime/engine/adapt.py; after this one request, the bandit may update)."""
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                               repeat_penalty=repeat_penalty, seed=seed, acceptance=acceptance)
-    method = method or default_method(model, drafter)
+    method = method or default_method(model, drafter, adapt)
     if adapt:
         check_adapt_method(method)
     target, d = open_speculative(model, method, drafter, drafter_backend, block_size=block_size, branches=branches,

@@ -7,12 +7,12 @@ import click
 
 from blockspec.runtime.engine.sampling import ACCEPTANCE
 
-_METHOD_HELP = "drafter method: plain, ngram, ... [default: the --drafter's method, else ngram (lookup, depth auto)]"
+_METHOD_HELP = "drafter method: plain, ngram, ... [default: the --drafter's method with the n-gram lookup in front (specblock+ngram, dblast+ngram; with --adapt the drafter alone), else ngram]"
 ACCEPTANCE_HELP = ("T > 0 with a drafter: rejection (drafts drawn from the drafter's own distribution) or match "
                    "(deterministic drafts; output equals plain decoding's for the same seed)")
 BLOCK_SIZE_HELP = ("drafted tokens per block (at most the drafter's trained block), auto: each step's depth from "
                    "measured costs, or pilot: one size per request chosen by BlockPilot from the prefill's last-token "
-                   "distribution  [default: auto for ngram, 4 for a model drafter]")
+                   "distribution  [default: auto for ngram and specblock/dblast+ngram chains, 4 otherwise]")
 ADAPT_HELP = ("SpecBlock's online adaptation: after each request a cost-aware bandit may update the drafter "
               "(head or all weights) from the blocks it served; output unchanged (--method specblock, GGUF drafter)")
 BLOCKPILOT_HELP = ("BlockPilot GGUF for --block-size pilot (and the acceptance prior of auto) [default: "

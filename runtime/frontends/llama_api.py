@@ -78,7 +78,7 @@ class SpeculativeLlama:
     """A GGUF target plus a drafter, with the call shapes of `llama_cpp.Llama`.
 
     model_path: GGUF path or fetched model name (None: the bundled SmolLM2-135M).
-    method: drafter method (None: the drafter's own method, the n-gram lookup without one; engine.setup.default_method); "plain" decodes without a drafter.
+    method: drafter method (None: the drafter's own method with the n-gram lookup in front, the lookup alone without a drafter; engine.setup.default_method); "plain" decodes without a drafter.
     seed: default sampling seed; calls without their own seed draw from a generator
     seeded with it, so a sequence of calls is reproducible (None: random).
     block_size: drafted tokens per block, "auto" (per step, measured costs) or "pilot" (per request,
@@ -96,7 +96,7 @@ class SpeculativeLlama:
                  drafter_backend: str | None = None, n_batch: int = 512, acceptance: str = "rejection",
                  blockpilot: str | None = None, adapt: bool = False):
         self.acceptance = SamplingParams(acceptance=acceptance).acceptance  # checked before the model loads
-        self.method = method or default_method(model_path, drafter_path)
+        self.method = method or default_method(model_path, drafter_path, adapt)
         if adapt:
             check_adapt_method(self.method)
         self.target, self.drafter = open_speculative(
