@@ -34,7 +34,7 @@ $(VENV)/.deps: setup.cfg pyproject.toml | $(PY)
 setup: build $(VENV)/.deps
 
 demo: setup
-	$(VENV)/bin/blockspec generate "$(PROMPT)" --method specblock --max-tokens 128 --compare-plain
+	$(VENV)/bin/blockspec generate "$(PROMPT)" --method specblock+ngram --max-tokens 128 --compare-plain
 
 test: setup
 	$(PY) -m pytest -q
