@@ -31,8 +31,8 @@ def default_method(model_path: str | None, drafter_path: str | None = None, adap
       deterministic, so its output is plain decoding's token for token, greedy or sampled with the
       same seed (sample-and-match draws every token as a plain step does).
     - A drafter: its method (the GGUF arch or checkpoint model_type) with the lookup in front
-      (`specblock+ngram`, `dblast+ngram`), or the drafter alone with `adapt` (the adaptation learns
-      from the model drafter's own blocks).
+      (`specblock+ngram`, `dblast+ngram`), or the drafter alone at its block of 4 with `adapt` (the
+      adaptation learns from the model drafter's own blocks).
     Bench, 2-core CPU, 256 tokens (README): `ngram-auto` 1.33-1.35x plain at T = 0 and 1.06-1.07x
     at T = 1 (80 prompts); with the shipped drafters `specblock+ngram-auto` 1.36x / 1.05x and
     `dblast+ngram-auto` 1.34x / 1.05x where SpecBlock alone at its block of 4 ran 0.90x / 0.74x (40

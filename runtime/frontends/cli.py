@@ -39,7 +39,8 @@ def cli():
 @click.option("--model", "model", default=None, help="GGUF path or fetched model name [default: bundled SmolLM2-135M]")
 @click.option("--method", type=click.Choice(list(METHODS)), default=None,
               help="plain decoding, or a drafter to speculate with (specblock/dblast without --drafter: the "
-                   "drafter shipped for the bundled model) [default: the --drafter's method with the n-gram lookup in front (specblock+ngram, dblast+ngram; with --adapt the drafter alone), else ngram]")
+                   "drafter shipped for the bundled model) [default: the --drafter's method with the n-gram lookup "
+                   "in front (specblock+ngram, dblast+ngram; with --adapt the drafter alone), else ngram]")
 @click.option("--drafter", "drafter", default=None, help="drafter checkpoint (GGUF or torch checkpoint dir)")
 @click.option("--drafter-backend", type=click.Choice(["torch", "ggml"]), default=None,
               help="where a model drafter runs [default: ggml for a GGUF drafter]")

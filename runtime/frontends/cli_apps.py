@@ -7,7 +7,8 @@ import click
 
 from blockspec.runtime.engine.sampling import ACCEPTANCE
 
-_METHOD_HELP = "drafter method: plain, ngram, ... [default: the --drafter's method with the n-gram lookup in front (specblock+ngram, dblast+ngram; with --adapt the drafter alone), else ngram]"
+_METHOD_HELP = ("drafter method: plain, ngram, ... [default: the --drafter's method with the n-gram lookup in front "
+                "(specblock+ngram, dblast+ngram; with --adapt the drafter alone), else ngram]")
 ACCEPTANCE_HELP = ("T > 0 with a drafter: rejection (drafts drawn from the drafter's own distribution) or match "
                    "(deterministic drafts; output equals plain decoding's for the same seed)")
 BLOCK_SIZE_HELP = ("drafted tokens per block (at most the drafter's trained block), auto: each step's depth from "

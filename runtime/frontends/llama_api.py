@@ -78,7 +78,8 @@ class SpeculativeLlama:
     """A GGUF target plus a drafter, with the call shapes of `llama_cpp.Llama`.
 
     model_path: GGUF path or fetched model name (None: the bundled SmolLM2-135M).
-    method: drafter method (None: the drafter's own method with the n-gram lookup in front, the lookup alone without a drafter; engine.setup.default_method); "plain" decodes without a drafter.
+    method: drafter method (None: the drafter's own method with the n-gram lookup in front, the lookup
+    alone without a drafter; engine.setup.default_method); "plain" decodes without a drafter.
     seed: default sampling seed; calls without their own seed draw from a generator
     seeded with it, so a sequence of calls is reproducible (None: random).
     block_size: drafted tokens per block, "auto" (per step, measured costs) or "pilot" (per request,
