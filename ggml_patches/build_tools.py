@@ -4,12 +4,13 @@
                                        [--force] [--print-bin-dir]
 
 `blockspec bench` runs upstream's speculative decoding (`llama-speculative-simple`: n-gram,
-draft-model and DFlash drafting) as peers of our methods. A fair comparison needs the same
+draft-model and DFlash drafting; `llama-lookup`: lookup decoding with a static n-gram cache) as
+peers of our methods. A fair comparison needs the same
 llama.cpp commit, the same patches and the same ggml CPU flags as the wheel our engine runs on,
 so this reuses build.py's sdist, patch list and cmake flags; it only switches on the example/tool
 targets and links them statically (the binaries then stand alone in their cache dir).
 
-Output: $BLOCKSPEC_CACHE/tools/<key>/bin/{llama-speculative-simple, llama-simple}, where <key> is
+Output: $BLOCKSPEC_CACHE/tools/<key>/bin/{llama-speculative-simple, llama-simple, llama-lookup}, where <key> is
 the wheel's build key (build.py --print-key) for the same backend and flags: the bench finds the
 tools that match the installed wheel by reading llama_cpp/blockspec_build.json. A no-op when the
 binaries are present. ccache and a persistent build dir per flag set make rebuilds cheap.
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import build  # ggml_patches/build.py: the wheel's pin, patches and flags (same directory)
 
-TOOLS = ["llama-speculative-simple", "llama-simple"]
+TOOLS = ["llama-speculative-simple", "llama-simple", "llama-lookup"]
 
 # The wheel disables every llama.cpp target except the libraries; the tools need common + examples.
 # Static linking so `bin/` is self-contained; no curl/openssl (we never download anything).

@@ -198,6 +198,20 @@ def eval_cmd(drafter, data, target, batches, by_source, device, walk, n_prompts)
                                            walk=walk, n_prompts=n_prompts)))
 
 
+@train.command("store")
+@click.option("--data", required=True, help="self-distilled caches (`train data`), comma-separated")
+@click.option("--target", required=True, type=click.Path(exists=True), help="the target GGUF that wrote them")
+@click.option("--out", required=True, type=click.Path(), help="answer store GGUF to write")
+@click.option("--heldout", default=200, show_default=True, type=click.IntRange(min=0),
+              help="last answers replayed to calibrate each draft kind's prior")
+def store_cmd(data, target, out, heldout):
+    """The answer store `--method ngram` drafts from where the context has no match: the token text
+    of the target's own answers (no features), as a GGUF for `--drafter`."""
+    from .store import store_cli
+
+    store_cli(data, target, out, heldout)
+
+
 @train.command("average")
 @click.option("--a", "a", required=True, type=click.Path(exists=True), help="drafter A (checkpoint dir or GGUF)")
 @click.option("--b", "b", required=True, type=click.Path(exists=True), help="drafter B, same shape and draft vocabulary")

@@ -83,9 +83,13 @@ class PeerSpec:
     """How one upstream method is invoked: its --spec-type and extra flags. `{block_size}` in an
     argument is filled in; `needs_drafter` means a -md GGUF from --drafter METHOD=PATH."""
 
-    spec_type: str
+    spec_type: str  # "": the tool takes no --spec-type (llama-lookup)
     args: tuple[str, ...] = ()
     needs_drafter: bool = False
+    # `-lcs FILE`: upstream's static n-gram cache (llama-lookup-create's format) made from our answer
+    # store (--drafter METHOD=STORE, default the shipped one), so both engines draft from the same answers
+    needs_store: bool = False
+    tool: str = TOOL
 
 
 @dataclass
@@ -113,7 +117,7 @@ def parse_stats(stderr: str) -> tuple[int, float, int, list[int]]:
     a = _N_ACCEPT.search(stderr)
     if not m or not a:
         tail = " | ".join(stderr.strip().splitlines()[-3:])
-        raise BlockspecError(f"{TOOL} printed no generation stats: {tail}")
+        raise BlockspecError(f"the upstream tool printed no generation stats: {tail}")
     n_predict, secs, n_accept = int(m.group(1)), float(m.group(2)), int(a.group(1))
     passes = n_predict - n_accept
     hist = [passes]
@@ -135,32 +139,34 @@ def run_peer(tool: Path, spec: PeerSpec, *, model: Path, prompt_text: str, echo:
              sampling, seed: int, threads: int, n_ctx: int, block_size: int, drafter: str | None,
              timeout: float) -> PeerResult:
     """One generation with the upstream tool; raises BlockspecError with one line on failure."""
-    if spec.needs_drafter and not drafter:
+    if (spec.needs_drafter or spec.needs_store) and not drafter:
         raise BlockspecError(f"--spec-type {spec.spec_type} needs a draft GGUF: --drafter METHOD=PATH")
     cmd = [str(tool), "-m", str(model), "-p", prompt_text, "--no-escape", "-n", str(max_tokens),
            "-c", str(n_ctx), "-b", str(n_ctx), "-ub", "512", "-t", str(threads), "-tb", str(threads),
-           "-fa", "on", "-lv", "4", "--spec-type", spec.spec_type,
+           "-fa", "on", "-lv", "4", *(("--spec-type", spec.spec_type) if spec.spec_type else ()),
            "--temp", str(sampling.temperature), "--top-k", str(sampling.top_k), "--top-p", str(sampling.top_p),
            "--min-p", str(sampling.min_p), "--repeat-penalty", str(sampling.repeat_penalty), "--seed", str(seed)]
     cmd += [a.format(block_size=block_size) for a in spec.args]
-    if drafter:
+    if drafter and spec.needs_store:
+        cmd += ["-lcs", str(static_lookup_cache(drafter))]
+    elif drafter:
         cmd += ["-md", str(drafter)]
     t0 = time.perf_counter()
     try:
         res = subprocess.run(cmd, capture_output=True, timeout=timeout, env=peer_env())
     except subprocess.TimeoutExpired:
-        raise BlockspecError(f"{TOOL} did not finish in {timeout:.0f} s") from None
+        raise BlockspecError(f"{tool.name} did not finish in {timeout:.0f} s") from None
     err = res.stderr.decode("utf-8", "replace")
     if res.returncode != 0:
         lines = [ln for ln in err.strip().splitlines() if ln.strip()]
         why = next((ln for ln in reversed(lines) if "error" in ln.lower() or "failed" in ln.lower()),
                    lines[-1] if lines else f"exit {res.returncode}")
-        raise BlockspecError(f"{TOOL} exited {res.returncode}: {why.strip()[:200]}")
+        raise BlockspecError(f"{tool.name} exited {res.returncode}: {why.strip()[:200]}")
     n_predict, secs, n_accept, hist = parse_stats(err)
     out = res.stdout
     head = b"\n\n" + echo
     if not out.startswith(head):
-        raise BlockspecError(f"{TOOL} did not echo the prompt as expected (after {time.perf_counter() - t0:.0f} s)")
+        raise BlockspecError(f"{tool.name} did not echo the prompt as expected (after {time.perf_counter() - t0:.0f} s)")
     body = out[len(head):]
     body = body[:-4] if body.endswith(b"\n\n\n\n") else body
     passes = max(1, n_predict - n_accept)
@@ -168,3 +174,38 @@ def run_peer(tool: Path, spec: PeerSpec, *, model: Path, prompt_text: str, echo:
     return PeerResult(text=body.decode("utf-8", "replace"), n_tokens=n_predict, gen_s=secs,
                       tau=n_predict / passes, target_passes=passes, accept_hist=hist,
                       finish_eos=n_predict <= max_tokens, drafted=int(drafted.group(1)) if drafted else None)
+
+
+def static_lookup_cache(store_path: str | os.PathLike) -> Path:
+    """Upstream's static n-gram cache (`llama-lookup-create`'s file: every 2-gram of the text with the
+    counts of the tokens that follow it; common/ngram-cache.cpp) of an answer store's token text,
+    written once per store version under the cache dir. The same answers our store drafts from."""
+    import hashlib
+    import struct
+    from collections import Counter
+
+    import numpy as np
+
+    from blockspec.runtime.drafters.store import SEP, load_store
+    from blockspec.runtime.format.modelfile import cache_dir
+
+    p = Path(store_path)
+    st = p.stat()
+    key = hashlib.sha256(f"{p.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    out = cache_dir() / "lookup" / f"{key}.bin"
+    if out.is_file():
+        return out
+    t = load_store(p).tokens
+    ok = (t[:-2] != SEP) & (t[1:-1] != SEP) & (t[2:] != SEP)
+    counts: dict[tuple[int, int], Counter] = {}
+    for a, b, c in zip(t[:-2][ok].tolist(), t[1:-1][ok].tolist(), t[2:][ok].tolist()):
+        counts.setdefault((a, b), Counter())[c] += 1
+    buf = bytearray()
+    for (a, b), part in counts.items():
+        buf += struct.pack("<4ii", a, b, -1, -1, len(part))
+        buf += np.array([x for kv in part.items() for x in kv], np.int32).tobytes()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_bytes(bytes(buf))
+    os.replace(tmp, out)
+    return out

@@ -66,6 +66,7 @@ class Method:
     acceptance: str = "rejection"  # T > 0: SamplingParams.acceptance (the rule used is in each row)
     upstream_kernels: bool = False  # ours, in a process on upstream's default CPU kernels (bench/worker.py)
     pilot: bool = False  # BlockPilot (runtime/engine/pilot.py): the request's block size, or with auto its prior
+    store: bool = True  # ngram: with the answer store shipped for the bundled model (drafters/store.py)
 
 
 # The one place a method name is parsed. `-tree` variants branch (ngram: merged matches; specblock:
@@ -90,6 +91,9 @@ METHODS: dict[str, Method] = {
     "ngram-upstream-kernels": Method("ngram", upstream_kernels=True),
     "ngram-tree": Method("ngram", branches=3),
     "ngram-auto": Method("ngram", auto=True),
+    # the prompt lookup alone (the history's own repeats), without the answer store
+    "ngram-context": Method("ngram", store=False),
+    "ngram-context-auto": Method("ngram", auto=True, store=False),
     "specblock": Method("specblock", needs_drafter=True),
     "specblock-tree": Method("specblock", branches=4, needs_drafter=True),
     "specblock-auto": Method("specblock", needs_drafter=True, auto=True),
@@ -121,6 +125,18 @@ METHODS: dict[str, Method] = {
     "llama.cpp-ngram": Method("peer", peer=PeerSpec("ngram-simple", ("--spec-ngram-simple-size-n", "3",
                                                                      "--spec-ngram-simple-size-m", "{block_size}"))),
     "llama.cpp-ngram-default": Method("peer", peer=PeerSpec("ngram-simple")),
+    # upstream's other model-free drafters, with upstream's defaults (what a user of the tool gets):
+    # ngram-map-k / -k4v (a 12-token key, a 48-token value, one hit), ngram-mod (a hashed 24-token
+    # match drafting 48-64), ngram-cache (llama-lookup's context n-gram cache, 8 drafted)
+    "llama.cpp-ngram-map-k": Method("peer", peer=PeerSpec("ngram-map-k")),
+    "llama.cpp-ngram-map-k4v": Method("peer", peer=PeerSpec("ngram-map-k4v")),
+    "llama.cpp-ngram-mod": Method("peer", peer=PeerSpec("ngram-mod")),
+    "llama.cpp-ngram-cache": Method("peer", peer=PeerSpec("ngram-cache")),
+    # the same with a static cache of our answer store's text (what `ngram`'s store drafts from)
+    # upstream's lookup decoding (llama-lookup: its context n-gram cache, validated and extended by a
+    # static cache) with a static cache of the text our answer store drafts from, 8 drafted at most
+    "llama.cpp-lookup-store": Method("peer", needs_drafter=True, shipped="ngram", peer=PeerSpec(
+        "", ("--spec-draft-n-max", "8"), needs_store=True, tool="llama-lookup")),
     "llama.cpp-draft": Method("peer", needs_drafter=True,
                               peer=PeerSpec("draft-simple", ("--spec-draft-n-max", "{block_size}"), needs_drafter=True)),
     # a blockspec DBlast GGUF (default: the shipped dblast-kz1) runs as its upstream-dflash export
@@ -441,7 +457,7 @@ def run_bench(prompts: str, *, methods: str | Sequence[str] = "plain,ngram",
     from blockspec.converters.upstream_dflash import cached_export
     from blockspec.runtime.bench import peers as bench_peers
     from blockspec.runtime.engine.pilot import pilot_path_for
-    from blockspec.runtime.engine.setup import NO_PILOT, make_drafter, open_target_for, shipped_drafter
+    from blockspec.runtime.engine.setup import NO_PILOT, NO_STORE, make_drafter, open_target_for, shipped_drafter
     from blockspec.runtime.format.modelfile import resolve_model
     from blockspec.runtime.llama.prompt import chat_tokens, render_chat
     from blockspec.runtime.engine.sampling import SamplingParams
@@ -460,6 +476,8 @@ def run_bench(prompts: str, *, methods: str | Sequence[str] = "plain,ngram",
     for n in names:
         m = method(n)
         path = _drafter_for(n, paths) or (shipped_drafter(m.shipped or m.base) if m.needs_drafter else None)
+        if m.base == "ngram" and not m.store:
+            path = NO_STORE
         if m.needs_drafter and not path:
             errors[n] = f"needs --drafter {n}=PATH"
         elif m.base == "peer" and path:
@@ -479,14 +497,13 @@ def run_bench(prompts: str, *, methods: str | Sequence[str] = "plain,ngram",
                     errors[n] = f"no BlockPilot for drafter {path} (looked for {pilot_path_for(path)})"
             except BlockspecError as e:
                 errors[n] = str(e)
-    tool = None
-    if any(method(n).base == "peer" and n not in errors for n in names):
-        try:
-            tool = bench_peers.find_tool()
-        except BlockspecError as e:
-            for n in names:
-                if method(n).base == "peer":
-                    errors.setdefault(n, str(e))
+    tools = {}  # peer method -> its upstream binary
+    for n in names:
+        if method(n).base == "peer" and n not in errors:
+            try:
+                tools[n] = bench_peers.find_tool(method(n).peer.tool)
+            except BlockspecError as e:
+                errors[n] = str(e)
     for n, why in errors.items():
         log(f"bench: {n}: {why} (skipped)")
 
@@ -524,7 +541,7 @@ def run_bench(prompts: str, *, methods: str | Sequence[str] = "plain,ngram",
                             if m.base == "peer":
                                 echo = b"".join(target.token_bytes(t, special=True) for t in tok)
                                 res = bench_peers.run_peer(
-                                    tool, m.peer, model=target.path, prompt_text=bench_peers.peer_prompt(
+                                    tools[n], m.peer, model=target.path, prompt_text=bench_peers.peer_prompt(
                                         target, texts[i], tok), echo=echo, max_tokens=max_tokens,
                                     sampling=sampling, seed=seed + i, threads=target.n_threads, n_ctx=target.n_ctx,
                                     block_size=block_size, drafter=_drafter_for(n, paths),

@@ -31,7 +31,8 @@ class NgramDrafter(Drafter):
     # min_ngram 3: on 10 of the suite's chat prompts (SmolLM2, 128 tokens) 1-token matches
     # raised tau from 1.46 to 1.64 but cut speed from 1.04x to 0.75x of plain: short matches
     # propose wrong blocks that still cost a wider verify
-    def __init__(self, block_size: int = 4, min_ngram: int = 3, max_ngram: int = 3, branches: int = 1):
+    def __init__(self, block_size: int = 4, min_ngram: int = 3, max_ngram: int = 3, branches: int = 1,
+                 store=None, store_required: bool = True):
         if block_size < 1 or branches < 1 or not 1 <= min_ngram <= max_ngram:
             raise ValueError("ngram drafter needs block_size >= 1, branches >= 1, 1 <= min_ngram <= max_ngram")
         self.block_size = block_size
@@ -40,6 +41,10 @@ class NgramDrafter(Drafter):
         self.max_nodes = block_size * branches
         self.max_leaves = branches
         self.matches = 0  # proposals that found a match (drafted something)
+        # the target's answers to other prompts (drafters/store.py), looked up where the history has no
+        # match; `store_required`: a store that does not fit the target is an error (else it is dropped)
+        self.store, self.store_required = store, store_required
+        self.store_matches = 0  # of `matches`, the store's
         self._hist: list[int] = []  # the history _starts indexes (see _index)
         self._starts: dict[int, dict[tuple[int, ...], list[int]]] = {n: {} for n in range(min_ngram, max_ngram + 1)}
 
@@ -79,12 +84,41 @@ class NgramDrafter(Drafter):
                     break
             if len(paths) == self.branches:
                 break
+        if not paths and self.store is not None:
+            return self._from_store(h)
         tree = DraftTree.from_paths(int(h[-1]), paths)
         if paths:
             self.matches += 1
             tree.kind = max(c for c in MATCH_CLASSES if c <= best) if best >= MATCH_CLASSES[0] else best
             tree.prior = (tree.kind - 1) / tree.kind if tree.kind > 1 else 0.5
         return tree
+
+    def _from_store(self, h: list[int]) -> DraftTree:
+        from blockspec.runtime.drafters.store import draft_kind
+
+        path, n, share = self.store.propose(h, self.block_size)
+        tree = DraftTree.from_paths(int(h[-1]), [path] if path else [])
+        if path:
+            self.matches += 1
+            self.store_matches += 1
+            tree.kind = draft_kind(n, share)
+            tree.prior = self.store.prior(tree.kind)
+        return tree
+
+    def check_target(self, target) -> None:
+        """A store holds one target's answers: another target refuses a required store and drops a
+        default one (the store shipped for the bundled model, on any other model)."""
+        if self.store is None:
+            return
+        from blockspec.runtime.format.drafter_gguf import target_fingerprint
+
+        why = self.store.fits(target_fingerprint(target.path))
+        if why and self.store_required:
+            from blockspec.runtime.errors import BlockspecError
+
+            raise BlockspecError(why)
+        if why:
+            self.store = None
 
     def _index(self, history: Sequence[int]) -> list[int]:
         """`history` as a list, with `_starts[n][gram]` = the starts i of every n-gram that ends

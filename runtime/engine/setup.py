@@ -10,16 +10,32 @@ from blockspec.runtime.drafters.ngram import LookupFirst, NgramDrafter
 def shipped_drafter(method: str) -> str | None:
     """The trained drafter shipped for the bundled model (models/drafters/, rebuilt by
     `make drafters`), or None. It is paired with the bundled SmolLM2-135M-Instruct Q4_1: any
-    other target refuses it at load with the fingerprint check, like every drafter."""
+    other target refuses it at load with the fingerprint check, like every drafter. `ngram`: the
+    answer store (`make store`), which other targets do not use."""
     from importlib.util import find_spec
     from pathlib import Path
 
+    name = "smollm2-135m-answers.gguf" if method == "ngram" else f"smollm2-135m-{method}.q8_0.gguf"
     spec = find_spec("blockspec.models")
     for root in (spec.submodule_search_locations or []) if spec else []:
-        path = Path(root) / "drafters" / f"smollm2-135m-{method}.q8_0.gguf"
+        path = Path(root) / "drafters" / name
         if path.is_file():
             return str(path)
     return None
+
+
+NO_STORE = "none"  # `--method ngram --drafter none`: the prompt lookup without an answer store
+
+
+def make_ngram(block_size: int, branches: int = 1, store_path: str | None = None):
+    """The n-gram drafter with its answer store (drafters/store.py): `store_path`, or the one shipped
+    for the bundled model (dropped on another target), or none with NO_STORE."""
+    from blockspec.runtime.drafters.store import load_store
+
+    required = bool(store_path) and store_path != NO_STORE
+    path = store_path if required else None if store_path == NO_STORE else shipped_drafter("ngram")
+    return NgramDrafter(block_size=block_size, branches=branches, store=load_store(path) if path else None,
+                        store_required=required)
 
 
 def default_method(model_path: str | None, drafter_path: str | None = None, adapt: bool = False) -> str:
@@ -55,6 +71,10 @@ def default_method(model_path: str | None, drafter_path: str | None = None, adap
     except (OSError, ValueError, KeyError) as e:
         raise BlockspecError(f"cannot tell the drafter's method from {p} ({type(e).__name__}: {e}); "
                              "pass --method") from None
+    from blockspec.runtime.drafters.store import ARCH as STORE_ARCH
+
+    if arch == STORE_ARCH:  # an answer store: the n-gram lookup drafts from it
+        return "ngram"
     if arch not in ("specblock", "dblast"):
         raise BlockspecError(f"{p} is a {arch!r} file, not a specblock or dblast drafter")
     return arch if adapt else f"{arch}+ngram"
@@ -152,7 +172,7 @@ def make_drafter(method: str, drafter_path: str | None = None, backend: str | No
     if method == "plain":
         return None
     if method == "ngram":
-        return NgramDrafter(block_size=block_size, branches=branches)
+        return make_ngram(block_size, branches, drafter_path)
     if method in ("specblock", "dblast"):  # need a trained drafter
         drafter_path = drafter_path or shipped_drafter(method)
         if not drafter_path:
