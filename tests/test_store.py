@@ -18,7 +18,7 @@ from blockspec.runtime.drafters.ngram import NgramDrafter
 from blockspec.runtime.drafters.store import SEP, AnswerStore, draft_kind, load_store, save_store
 from blockspec.runtime.engine.generate import generate
 from blockspec.runtime.engine.sampling import SamplingParams
-from blockspec.runtime.engine.setup import NO_STORE, make_drafter
+from blockspec.runtime.engine.setup import make_drafter
 from blockspec.runtime.errors import BlockspecError
 from blockspec.runtime.llama.prompt import prompt_tokens
 
@@ -40,6 +40,7 @@ def test_longest_suffix_and_the_majority_continuation():
     # a suffix seen nowhere drafts nothing
     assert s.propose([42, 43], 4) == ([], 0, 0.0)
     assert s.propose([5], 4) == ([], 0, 0.0)  # shorter than the shortest suffix looked up
+    assert s.propose([0, 3, 4], 16) == ([6, 8, 1], 2, 0.75)  # a block longer than any answer
 
 
 def test_no_window_spans_two_answers():
@@ -101,7 +102,7 @@ def test_store_drafts_and_output_is_plains(smollm2, smollm2_path, temperature):
         assert spec.stats.target_passes < plain.stats.target_passes
 
 
-def test_another_targets_store_is_refused_or_dropped(smollm2, smollm2_path, tmp_path):
+def test_another_targets_store_is_refused(smollm2, smollm2_path, tmp_path):
     from blockspec.runtime.format.drafter_gguf import target_fingerprint
 
     fp = {**target_fingerprint(smollm2_path), "n_vocab": 32000}
@@ -110,10 +111,7 @@ def test_another_targets_store_is_refused_or_dropped(smollm2, smollm2_path, tmp_
     d = make_drafter("ngram", str(path), block_size=4)
     with pytest.raises(BlockspecError, match="answers of another target"):
         d.check_target(smollm2)
-    implicit = NgramDrafter(block_size=4, store=load_store(path), store_required=False)
-    implicit.check_target(smollm2)
-    assert implicit.store is None
-    assert make_drafter("ngram", NO_STORE, block_size=4).store is None
+    assert make_drafter("ngram", block_size=4).store is None  # the store is used only where named
 
 
 def _cache(smollm2_path, tmp_path, name="cache", **kw):

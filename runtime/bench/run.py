@@ -66,7 +66,6 @@ class Method:
     acceptance: str = "rejection"  # T > 0: SamplingParams.acceptance (the rule used is in each row)
     upstream_kernels: bool = False  # ours, in a process on upstream's default CPU kernels (bench/worker.py)
     pilot: bool = False  # BlockPilot (runtime/engine/pilot.py): the request's block size, or with auto its prior
-    store: bool = True  # ngram: with the answer store shipped for the bundled model (drafters/store.py)
 
 
 # The one place a method name is parsed. `-tree` variants branch (ngram: merged matches; specblock:
@@ -91,9 +90,9 @@ METHODS: dict[str, Method] = {
     "ngram-upstream-kernels": Method("ngram", upstream_kernels=True),
     "ngram-tree": Method("ngram", branches=3),
     "ngram-auto": Method("ngram", auto=True),
-    # the prompt lookup alone (the history's own repeats), without the answer store
-    "ngram-context": Method("ngram", store=False),
-    "ngram-context-auto": Method("ngram", auto=True, store=False),
+    # the lookup with the answer store shipped for the bundled model (drafters/store.py) where the history has no match
+    "ngram-store": Method("ngram", needs_drafter=True),
+    "ngram-store-auto": Method("ngram", needs_drafter=True, auto=True),
     "specblock": Method("specblock", needs_drafter=True),
     "specblock-tree": Method("specblock", branches=4, needs_drafter=True),
     "specblock-auto": Method("specblock", needs_drafter=True, auto=True),
@@ -457,7 +456,7 @@ def run_bench(prompts: str, *, methods: str | Sequence[str] = "plain,ngram",
     from blockspec.converters.upstream_dflash import cached_export
     from blockspec.runtime.bench import peers as bench_peers
     from blockspec.runtime.engine.pilot import pilot_path_for
-    from blockspec.runtime.engine.setup import NO_PILOT, NO_STORE, make_drafter, open_target_for, shipped_drafter
+    from blockspec.runtime.engine.setup import NO_PILOT, make_drafter, open_target_for, shipped_drafter
     from blockspec.runtime.format.modelfile import resolve_model
     from blockspec.runtime.llama.prompt import chat_tokens, render_chat
     from blockspec.runtime.engine.sampling import SamplingParams
@@ -476,8 +475,6 @@ def run_bench(prompts: str, *, methods: str | Sequence[str] = "plain,ngram",
     for n in names:
         m = method(n)
         path = _drafter_for(n, paths) or (shipped_drafter(m.shipped or m.base) if m.needs_drafter else None)
-        if m.base == "ngram" and not m.store:
-            path = NO_STORE
         if m.needs_drafter and not path:
             errors[n] = f"needs --drafter {n}=PATH"
         elif m.base == "peer" and path:

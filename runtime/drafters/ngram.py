@@ -24,7 +24,10 @@ class NgramDrafter(Drafter):
     `min_ngram`) and propose what followed the one whose match runs longest backwards (of the latest
     MATCH_CANDIDATES; a repeating span is continued by its period). The tree's `kind` is the class
     of that match length, so `--block-size auto` learns per class how deep a draft pays. With
-    `branches` > 1 the continuations of several distinct matches are merged into a tree."""
+    `branches` > 1 the continuations of several distinct matches are merged into a tree. Where the
+    history has no match and an answer store is given (drafters/store.py: the target's own answers
+    to other prompts), the store's continuation of the history's longest suffix is drafted (a chain),
+    its kind a ("store", ...) class of its own."""
 
     name = "ngram"
 
@@ -32,7 +35,7 @@ class NgramDrafter(Drafter):
     # raised tau from 1.46 to 1.64 but cut speed from 1.04x to 0.75x of plain: short matches
     # propose wrong blocks that still cost a wider verify
     def __init__(self, block_size: int = 4, min_ngram: int = 3, max_ngram: int = 3, branches: int = 1,
-                 store=None, store_required: bool = True):
+                 store=None):
         if block_size < 1 or branches < 1 or not 1 <= min_ngram <= max_ngram:
             raise ValueError("ngram drafter needs block_size >= 1, branches >= 1, 1 <= min_ngram <= max_ngram")
         self.block_size = block_size
@@ -41,9 +44,8 @@ class NgramDrafter(Drafter):
         self.max_nodes = block_size * branches
         self.max_leaves = branches
         self.matches = 0  # proposals that found a match (drafted something)
-        # the target's answers to other prompts (drafters/store.py), looked up where the history has no
-        # match; `store_required`: a store that does not fit the target is an error (else it is dropped)
-        self.store, self.store_required = store, store_required
+        # the target's answers to other prompts (drafters/store.py), looked up where the history has no match
+        self.store = store
         self.store_matches = 0  # of `matches`, the store's
         self._hist: list[int] = []  # the history _starts indexes (see _index)
         self._starts: dict[int, dict[tuple[int, ...], list[int]]] = {n: {} for n in range(min_ngram, max_ngram + 1)}
@@ -106,19 +108,14 @@ class NgramDrafter(Drafter):
         return tree
 
     def check_target(self, target) -> None:
-        """A store holds one target's answers: another target refuses a required store and drops a
-        default one (the store shipped for the bundled model, on any other model)."""
-        if self.store is None:
-            return
-        from blockspec.runtime.format.drafter_gguf import target_fingerprint
-
-        why = self.store.fits(target_fingerprint(target.path))
-        if why and self.store_required:
+        """A store holds one target's answers: another target refuses it with one line."""
+        if self.store is not None:
             from blockspec.runtime.errors import BlockspecError
+            from blockspec.runtime.format.drafter_gguf import target_fingerprint
 
-            raise BlockspecError(why)
-        if why:
-            self.store = None
+            why = self.store.fits(target_fingerprint(target.path))
+            if why:
+                raise BlockspecError(why)
 
     def _index(self, history: Sequence[int]) -> list[int]:
         """`history` as a list, with `_starts[n][gram]` = the starts i of every n-gram that ends

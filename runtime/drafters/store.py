@@ -7,8 +7,9 @@ are formulaic across questions ("Here is a Python function that", "    return re
 continuations of the same suffix in the target's answers to other prompts predict what it says
 next. The store is the token text of those answers (the data engine's self-distilled caches,
 `blockspec train store`), written as a GGUF (architecture `blockspec-store`) with the fingerprint of
-the target that wrote them; a drafter refuses another target's store (an explicit one with one
-line; the store shipped for the bundled model is simply not used on other targets).
+the target that wrote them; another target refuses the store with one line. It is used where named
+(`--method ngram --drafter STORE.gguf`, the bench's `ngram-store`), not by default: on the 2-core CPU
+it raised tau without raising speed (README, "The answer store").
 
 Drafting: the longest suffix of the history (MAX_N down to MIN_N tokens) that occurs in the store;
 of up to MAX_OCCURRENCES of its occurrences, the path that most of them continue with, token by
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from pathlib import Path
 from typing import Sequence
 
@@ -33,6 +35,8 @@ MIN_N, MAX_N = 2, 8          # suffix lengths looked up, longest first
 MAX_OCCURRENCES = 256        # occurrences of a suffix that vote on its continuation (the latest in the store)
 SEP = -1                     # between answers in the token text
 _MUL = np.uint64(0x9E3779B97F4A7C15)  # rolling-hash multiplier (odd)
+_MASK = (1 << 64) - 1
+_POW = [pow(int(_MUL), i, 1 << 64) for i in range(MAX_N)]
 SHARE_CLASSES = (0.5, 0.9)   # vote share of the first drafted token: < 0.5, < 0.9, >= 0.9
 N_CLASSES = (2, 3, 4)        # suffix length: 2, 3, >= 4
 
@@ -80,34 +84,35 @@ class AnswerStore:
     def propose(self, history: Sequence[int], k: int) -> tuple[list[int], int, float]:
         """(drafted tokens, suffix length matched, vote share of the first) or ([], 0, 0.0)."""
         h = history
-        for n in range(min(MAX_N, len(h)), MIN_N - 1, -1):
-            suffix = np.asarray(h[len(h) - n:], np.int64)
-            key = np.uint64(0)
-            with np.errstate(over="ignore"):
-                for tok in suffix:
-                    key = key * _MUL + np.uint64(tok)
+        top = min(MAX_N, len(h))
+        # the hash of each suffix length n, as the index computed it: sum of t[-n+j] * MUL^(n-1-j)
+        suffix_keys, key = {}, 0
+        for n in range(1, top + 1):
+            key = (int(h[-n]) * _POW[n - 1] + key) & _MASK
+            suffix_keys[n] = key
+        for n in range(top, MIN_N - 1, -1):
+            key = np.uint64(suffix_keys[n])
             keys = self._keys[n]
             lo, hi = np.searchsorted(keys, key, "left"), np.searchsorted(keys, key, "right")
             if hi == lo:
                 continue
             ends = self._ends[n][max(lo, hi - MAX_OCCURRENCES):hi]
+            suffix = np.asarray(h[len(h) - n:], np.int64)
             ends = ends[(self.tokens[ends[:, None] - n + np.arange(n)] == suffix).all(1)]  # hash collisions
             if not len(ends):
                 continue
-            cont = self.tokens[ends[:, None] + np.arange(k)]
+            at = np.minimum(ends[:, None] + np.arange(k), len(self.tokens) - 1)  # the text ends in SEPs
+            rows = self.tokens[at].tolist()  # what followed each occurrence
             path, share = [], 0.0
-            alive = np.ones(len(ends), bool)
-            for j in range(k):
-                col = cont[alive, j]
-                col = col[col != SEP]
-                if not len(col):
+            for j in range(k):  # the token most of the rows still agreeing go on with (ties: the smaller id)
+                votes = Counter(r[j] for r in rows if r[j] != SEP)
+                if not votes:
                     break
-                vals, counts = np.unique(col, return_counts=True)
-                best = int(counts.argmax())
+                tok, count = max(votes.items(), key=lambda kv: (kv[1], -kv[0]))
                 if j == 0:
-                    share = counts[best] / alive.sum()
-                path.append(int(vals[best]))
-                alive &= cont[:, j] == vals[best]
+                    share = count / len(rows)
+                path.append(tok)
+                rows = [r for r in rows if r[j] == tok]
             if path:
                 return path, n, float(share)
         return [], 0, 0.0

@@ -11,7 +11,7 @@ def shipped_drafter(method: str) -> str | None:
     """The trained drafter shipped for the bundled model (models/drafters/, rebuilt by
     `make drafters`), or None. It is paired with the bundled SmolLM2-135M-Instruct Q4_1: any
     other target refuses it at load with the fingerprint check, like every drafter. `ngram`: the
-    answer store (`make store`), which other targets do not use."""
+    answer store (`make store`), used only where named (`--drafter`, the bench's `ngram-store`)."""
     from importlib.util import find_spec
     from pathlib import Path
 
@@ -24,18 +24,13 @@ def shipped_drafter(method: str) -> str | None:
     return None
 
 
-NO_STORE = "none"  # `--method ngram --drafter none`: the prompt lookup without an answer store
-
-
 def make_ngram(block_size: int, branches: int = 1, store_path: str | None = None):
-    """The n-gram drafter with its answer store (drafters/store.py): `store_path`, or the one shipped
-    for the bundled model (dropped on another target), or none with NO_STORE."""
+    """The n-gram drafter, with the answer store at `store_path` if one is given (drafters/store.py;
+    not a default: on this CPU it raised tau without raising speed, README "The answer store")."""
     from blockspec.runtime.drafters.store import load_store
 
-    required = bool(store_path) and store_path != NO_STORE
-    path = store_path if required else None if store_path == NO_STORE else shipped_drafter("ngram")
-    return NgramDrafter(block_size=block_size, branches=branches, store=load_store(path) if path else None,
-                        store_required=required)
+    return NgramDrafter(block_size=block_size, branches=branches,
+                        store=load_store(store_path) if store_path else None)
 
 
 def default_method(model_path: str | None, drafter_path: str | None = None, adapt: bool = False) -> str:

@@ -41,7 +41,7 @@ def cli():
               help="plain decoding, or a drafter to speculate with (specblock/dblast without --drafter: the "
                    "drafter shipped for the bundled model) [default: the --drafter's method with the n-gram lookup "
                    "in front (specblock+ngram, dblast+ngram; with --adapt the drafter alone), else ngram]")
-@click.option("--drafter", "drafter", default=None, help="drafter checkpoint (GGUF or torch checkpoint dir)")
+@click.option("--drafter", "drafter", default=None, help="drafter checkpoint (GGUF or torch checkpoint dir), or an answer store GGUF for ngram (`blockspec train store`)")
 @click.option("--drafter-backend", type=click.Choice(["torch", "ggml"]), default=None,
               help="where a model drafter runs [default: ggml for a GGUF drafter]")
 @click.option("--block-size", default=None, help=BLOCK_SIZE_HELP)

@@ -31,7 +31,7 @@ def _model_options(f):
     f = click.option("--drafter-backend", type=click.Choice(["torch", "ggml"]), default=None,
                      help="where a model drafter runs [default: ggml for a GGUF drafter]")(f)
     f = click.option("--method", default=None, help=_METHOD_HELP)(f)
-    f = click.option("--drafter", default=None, help="drafter checkpoint (GGUF or torch checkpoint dir)")(f)
+    f = click.option("--drafter", default=None, help="drafter checkpoint (GGUF or torch checkpoint dir), or an answer store GGUF for ngram (`blockspec train store`)")(f)
     f = click.option("--model", default=None,
                      help="GGUF path or fetched model name [default: bundled SmolLM2-135M]")(f)
     return f
