@@ -13,9 +13,11 @@ FOLDERS = {"runtime": "blockspec.runtime", "models": "blockspec.models", "conver
 
 # Layers, lowest first: a module may import its own layer and those below (never above).
 # The tools that drive llama.cpp or register commands (training data engine and its prompt writer,
-# parity reference, the train/convert CLIs) stand with the front ends.
+# parity reference, the answer-store builder that replays serving drafts, the train/convert CLIs) stand with
+# the front ends.
 TOP = ("blockspec.models.cli", "blockspec.models.data_engine", "blockspec.models.self_prompts", "blockspec.models.parity",
-       "blockspec.models.blockpilot_data", "blockspec.models.blockpilot_train", "blockspec.converters.cli")
+       "blockspec.models.blockpilot_data", "blockspec.models.blockpilot_train", "blockspec.models.store",
+       "blockspec.converters.cli")
 LAYERS = [
     ("format/errors", ("blockspec.runtime.errors", "blockspec.runtime.format")),
     ("models/converters", ("blockspec.models", "blockspec.converters")),
