@@ -136,31 +136,14 @@ KEY_SOURCE = f"{ARCH}.source"             # JSON: where the answers came from
 def save_store(path: str | os.PathLike, tokens: np.ndarray, fingerprint: dict, calibration: dict,
                source: dict) -> None:
     """Write the store atomically (tmp + rename)."""
-    import gguf
+    from blockspec.runtime.format.drafter_gguf import gguf_writer, write_fingerprint
 
-    from blockspec.runtime.format.drafter_gguf import Keys
-
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    w = gguf.GGUFWriter(str(tmp), ARCH)
-    w.add_uint32(KEY_N_ANSWERS, int((np.asarray(tokens) == SEP).sum()))
-    w.add_string(KEY_CALIBRATION, json.dumps(calibration, sort_keys=True))
-    w.add_string(KEY_SOURCE, json.dumps(source, sort_keys=True))
-    for field, key in Keys.FINGERPRINT.items():
-        v = fingerprint.get(field)
-        if field in ("arch", "tokenizer_sha256"):
-            w.add_string(key, str(v or ""))
-        else:
-            w.add_uint32(key, int(v))
-    w.add_tensor("tokens", np.asarray(tokens, np.int32))
-    try:
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with gguf_writer(path, ARCH) as w:
+        w.add_uint32(KEY_N_ANSWERS, int((np.asarray(tokens) == SEP).sum()))
+        w.add_string(KEY_CALIBRATION, json.dumps(calibration, sort_keys=True))
+        w.add_string(KEY_SOURCE, json.dumps(source, sort_keys=True))
+        write_fingerprint(w, fingerprint)
+        w.add_tensor("tokens", np.asarray(tokens, np.int32))
 
 
 def load_store(path: str | os.PathLike) -> AnswerStore:

@@ -206,6 +206,11 @@ def write_drafter_keys(w, arch: str, args, fingerprint: Mapping[str, Any]) -> No
     for field, (tmpl, kind) in {**ARGS_KEYS, **ARCH_ARGS_KEYS[arch]}.items():
         _add(w, Keys.of(tmpl, arch), getattr(args, field), kind)
     w.add_uint32(Keys.of(Keys.VALUE_LENGTH, arch), int(args.head_dim))
+    write_fingerprint(w, fingerprint)
+
+
+def write_fingerprint(w, fingerprint: Mapping[str, Any]) -> None:
+    """The keys of `target_fingerprint` (what a drafter or answer store pairs with)."""
     for field, key in Keys.FINGERPRINT.items():
         v = fingerprint.get(field)
         if field in ("arch", "tokenizer_sha256"):
