@@ -131,7 +131,6 @@ METHODS: dict[str, Method] = {
     "llama.cpp-ngram-map-k4v": Method("peer", peer=PeerSpec("ngram-map-k4v")),
     "llama.cpp-ngram-mod": Method("peer", peer=PeerSpec("ngram-mod")),
     "llama.cpp-ngram-cache": Method("peer", peer=PeerSpec("ngram-cache")),
-    # the same with a static cache of our answer store's text (what `ngram`'s store drafts from)
     # upstream's lookup decoding (llama-lookup: its context n-gram cache, validated and extended by a
     # static cache) with a static cache of the text our answer store drafts from, 8 drafted at most
     "llama.cpp-lookup-store": Method("peer", needs_drafter=True, shipped="ngram", peer=PeerSpec(
