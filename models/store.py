@@ -26,13 +26,11 @@ from blockspec.runtime.errors import BlockspecError
 def cache_answers(data: str, target_path: str) -> list[tuple[list[int], int]]:
     """(prompt + answer tokens, where the answer starts) of each answer in the caches in `data`
     (comma-separated dirs), in cache order. Refuses an evaluation set and a cache another target wrote."""
-    from safetensors import safe_open
-
+    from .data import RaggedFeatures
     from .data_engine import file_sha
     from .train import cache_metas
 
     sha = file_sha(Path(target_path))
-    out: list[tuple[list[int], int]] = []
     for d, meta in cache_metas(data).items():
         if meta.get("eval_set"):
             raise BlockspecError(f"--data {d}: an evaluation set (`train data --eval-set`); its answers are "
@@ -42,18 +40,15 @@ def cache_answers(data: str, target_path: str) -> list[tuple[list[int], int]]:
         if meta.get("target_sha") and meta["target_sha"] != sha:
             raise BlockspecError(f"--data {d}: answers of another target ({meta.get('target')}), "
                                  f"not of {target_path}")
-        shards = sorted(Path(d).glob("shard_*.safetensors"))
-        if not shards:
-            raise BlockspecError(f"--data {d}: no shards yet")
-        for p in shards:
-            with safe_open(str(p), "numpy") as f:
-                toks, lengths, starts = f.get_tensor("tokens"), f.get_tensor("lengths"), f.get_tensor("answer_start")
-            off = 0
-            for n, a in zip(lengths.tolist(), starts.tolist()):
-                seq = toks[off:off + n].tolist()
-                off += n
-                if n > a:
-                    out.append((seq, a))
+    try:
+        cache = RaggedFeatures.load(data.split(","))
+    except (FileNotFoundError, ValueError) as e:
+        raise BlockspecError(f"--data: {e}") from None
+    out: list[tuple[list[int], int]] = []
+    for i, (n, a) in enumerate(zip(cache.lengths.tolist(), cache.answer_start.tolist())):
+        if n > a:
+            start = int(cache.start[i])
+            out.append((np.asarray(cache.shards[cache.shard_of[i]]["tokens"][start:start + n]).tolist(), a))
     return out
 
 

@@ -186,7 +186,7 @@ def static_lookup_cache(store_path: str | os.PathLike) -> Path:
 
     import numpy as np
 
-    from blockspec.runtime.drafters.store import SEP, load_store
+    from blockspec.runtime.drafters.store import SEP, read_store
     from blockspec.runtime.format.modelfile import cache_dir
 
     p = Path(store_path)
@@ -195,7 +195,7 @@ def static_lookup_cache(store_path: str | os.PathLike) -> Path:
     out = cache_dir() / "lookup" / f"{key}.bin"
     if out.is_file():
         return out
-    t = load_store(p).tokens
+    t = read_store(p)[0]
     ok = (t[:-2] != SEP) & (t[1:-1] != SEP) & (t[2:] != SEP)
     counts: dict[tuple[int, int], Counter] = {}
     for a, b, c in zip(t[:-2][ok].tolist(), t[1:-1][ok].tolist(), t[2:][ok].tolist()):

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from blockspec.runtime.drafters.base import Drafter
+from blockspec.runtime.drafters.store import draft_kind
 from blockspec.runtime.drafters.tree import DraftTree
 
 
@@ -96,8 +97,6 @@ class NgramDrafter(Drafter):
         return tree
 
     def _from_store(self, h: list[int]) -> DraftTree:
-        from blockspec.runtime.drafters.store import draft_kind
-
         path, n, share = self.store.propose(h, self.block_size)
         tree = DraftTree.from_paths(int(h[-1]), [path] if path else [])
         if path:

@@ -147,7 +147,13 @@ def save_store(path: str | os.PathLike, tokens: np.ndarray, fingerprint: dict, c
 
 
 def load_store(path: str | os.PathLike) -> AnswerStore:
-    """Read a store GGUF; a file that is not one is a one-line error."""
+    """Read a store GGUF and index it; a file that is not one is a one-line error."""
+    tokens, fp, calibration = read_store(path)
+    return AnswerStore(tokens, fp, calibration, path=str(path))
+
+
+def read_store(path: str | os.PathLike) -> tuple[np.ndarray, dict, dict]:
+    """(token text, target fingerprint, calibration) of a store GGUF, not indexed."""
     from blockspec.runtime.format.drafter_gguf import Keys
     from blockspec.runtime.format.gguf_header import GGUFHeader
 
@@ -172,5 +178,5 @@ def load_store(path: str | os.PathLike) -> AnswerStore:
     except json.JSONDecodeError:
         raise BlockspecError(f"{p}: malformed {KEY_CALIBRATION}") from None
     h.buf.close()
-    return AnswerStore(tokens, fp, calibration, path=str(p))
+    return tokens, fp, calibration
 

@@ -24,15 +24,6 @@ def shipped_drafter(method: str) -> str | None:
     return None
 
 
-def make_ngram(block_size: int, branches: int = 1, store_path: str | None = None):
-    """The n-gram drafter, with the answer store at `store_path` if one is given (drafters/store.py;
-    not a default: on this CPU it raised tau without raising speed, README "The answer store")."""
-    from blockspec.runtime.drafters.store import load_store
-
-    return NgramDrafter(block_size=block_size, branches=branches,
-                        store=load_store(store_path) if store_path else None)
-
-
 def default_method(model_path: str | None, drafter_path: str | None = None, adapt: bool = False) -> str:
     """`--method` when none is given: the fastest lossless method measured for what is given, each
     at `--block-size auto` (make_drafter's default for these chains: each step's depth from measured
@@ -166,8 +157,12 @@ def make_drafter(method: str, drafter_path: str | None = None, backend: str | No
         return d
     if method == "plain":
         return None
-    if method == "ngram":
-        return make_ngram(block_size, branches, drafter_path)
+    if method == "ngram":  # with an answer store where one is named (drafters/store.py; not a default:
+        # on this CPU it raised tau without raising speed, README "The answer store")
+        from blockspec.runtime.drafters.store import load_store
+
+        return NgramDrafter(block_size=block_size, branches=branches,
+                            store=load_store(drafter_path) if drafter_path else None)
     if method in ("specblock", "dblast"):  # need a trained drafter
         drafter_path = drafter_path or shipped_drafter(method)
         if not drafter_path:
